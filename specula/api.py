@@ -1,0 +1,100 @@
+"""The Python API: `specula.load(...)` returns a `Speculator` with `generate` and `stream`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specula.decoding import GenerationStats, stream_tokens
+from specula.drafters import build_drafter
+from specula.errors import SpeculaError
+from specula.sampling import SamplingParams
+from specula.target import Target
+
+DEFAULT_TARGET = Path(__file__).resolve().parent.parent / "models" / "pycoder-25m"
+
+
+@dataclass
+class Generation:
+    """One finished generation: text and ids of the new tokens, and the loop's statistics."""
+
+    text: str
+    token_ids: list[int]
+    stats: GenerationStats
+
+
+@dataclass
+class StreamChunk:
+    """The new tokens of one cycle and the text they add."""
+
+    token_ids: list[int]
+    text: str
+
+
+class Speculator:
+    """A target model paired with one drafting method."""
+
+    def __init__(self, target: Target, method: str, drafter):
+        self.target = target
+        self.method = method
+        self.drafter = drafter
+
+    @property
+    def tokenizer(self):
+        return self.target.tokenizer
+
+    def encode(self, prompt: str | list[int] | torch.Tensor) -> torch.Tensor:
+        """Prompt as int64 [P]: text is tokenized the way `transformers` would (special tokens added)."""
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise SpeculaError("the prompt is empty")
+            ids = self.tokenizer(prompt).input_ids
+        else:
+            ids = prompt.tolist() if isinstance(prompt, torch.Tensor) else list(prompt)
+        if not ids:
+            raise SpeculaError("the prompt is empty")
+        if any(not (0 <= int(i) < self.target.vocab_size) for i in ids):
+            raise SpeculaError(f"prompt token ids must be in [0, {self.target.vocab_size})")
+        return torch.tensor(ids, dtype=torch.long, device=self.target.device)
+
+    def stream(self, prompt: str | list[int] | torch.Tensor, max_new_tokens: int = 128, temperature: float = 0.0,
+               top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop_on_eos: bool = True,
+               stats: GenerationStats | None = None) -> Iterator[StreamChunk]:
+        """Yield each cycle's new tokens and text as they are decided."""
+        params = SamplingParams(temperature, top_k, top_p)
+        ids = self.encode(prompt)
+        emitted: list[int] = []
+        shown = ""
+        for chunk in stream_tokens(self.target, self.drafter, ids, max_new_tokens, params, seed, stop_on_eos,
+                                   stats=stats):
+            emitted.extend(chunk)
+            # Decode the whole tail so multi-byte characters split across tokens come out whole.
+            text = self.tokenizer.decode(emitted, skip_special_tokens=True)
+            delta, shown = text[len(shown):], text
+            yield StreamChunk(chunk, delta)
+
+    def generate(self, prompt: str | list[int] | torch.Tensor, max_new_tokens: int = 128,
+                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+                 stop_on_eos: bool = True) -> Generation:
+        """Generate up to ``max_new_tokens`` new tokens; lossless with respect to the target."""
+        stats = GenerationStats()
+        ids: list[int] = []
+        for chunk in self.stream(prompt, max_new_tokens, temperature, top_p, top_k, seed, stop_on_eos, stats):
+            ids.extend(chunk.token_ids)
+        return Generation(self.tokenizer.decode(ids, skip_special_tokens=True), ids, stats)
+
+
+def load(target: str | Path = DEFAULT_TARGET, method: str = "vanilla", draft: str | Path | None = None,
+         dtype: str = "auto", device: str = "cpu", max_length: int | None = None, **options: Any) -> Speculator:
+    """Load a local Hugging Face causal LM and a drafting method.
+
+    method: one of vanilla, sps, pld (more as they land); ``draft`` is the draft model
+    directory for sps. ``options`` go to the drafter (e.g. ``num_tokens=5`` for sps and pld).
+    """
+    target_model = Target.load(target, dtype=dtype, device=device, max_length=max_length)
+    drafter = build_drafter(method, target_model, None if draft is None else str(draft), dtype=dtype, **options)
+    return Speculator(target_model, method, drafter)

@@ -1,0 +1,146 @@
+"""The decode loop: draft → verify → accept → commit, the same for every method.
+
+The target's prefill produces the first new token by itself (counted as one
+cycle). Each later cycle asks the drafter for a tree rooted at the newest
+token, verifies the whole tree in one target forward, keeps the accepted path
+in the KV cache and emits the accepted drafts plus the target's own next token.
+τ = new tokens / cycles, so plain decoding has τ = 1.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from specula.acceptance import Acceptor
+from specula.drafters.base import Drafter
+from specula.errors import SpeculaError
+from specula.sampling import SamplingParams, make_generator, pick_token
+from specula.target import Target
+
+
+@dataclass
+class GenerationStats:
+    """Per-call counters. Times are wall-clock seconds."""
+
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    cycles: int = 0
+    accepted_lengths: list[int] = field(default_factory=list)  # accepted drafts per cycle (prefill excluded)
+    tree_sizes: list[int] = field(default_factory=list)  # draft nodes proposed per cycle (root excluded)
+    prefill_time: float = 0.0
+    draft_time: float = 0.0
+    verify_time: float = 0.0
+    total_time: float = 0.0
+    stop_reason: str = ""
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens per target forward, counting the target's own token (1.0 for vanilla)."""
+        return self.new_tokens / self.cycles if self.cycles else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.total_time if self.total_time > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens, "cycles": self.cycles,
+            "tau": round(self.tau, 4), "tokens_per_s": round(self.tokens_per_s, 2),
+            "accepted_lengths": self.accepted_lengths, "tree_sizes": self.tree_sizes,
+            "prefill_time": round(self.prefill_time, 5), "draft_time": round(self.draft_time, 5),
+            "verify_time": round(self.verify_time, 5), "total_time": round(self.total_time, 5),
+            "stop_reason": self.stop_reason,
+        }
+
+
+def stream_tokens(target: Target, drafter: Drafter, prompt: torch.Tensor, max_new_tokens: int,
+                  params: SamplingParams, seed: int | None = None, stop_on_eos: bool = True,
+                  acceptor: Acceptor | None = None, stats: GenerationStats | None = None,
+                  ) -> Iterator[list[int]]:
+    """Yield the new token ids of each cycle. ``prompt`` is int64 [P]; ``stats`` is filled in as it runs."""
+    stats = stats if stats is not None else GenerationStats()
+    acceptor = acceptor or Acceptor()
+    prompt = prompt.to(target.device)
+    if prompt.ndim != 1 or prompt.numel() == 0:
+        raise SpeculaError("the prompt is empty")
+    if prompt.numel() >= target.max_length:
+        raise SpeculaError(
+            f"the prompt has {prompt.numel()} tokens; the context limit of {target.name} is {target.max_length}"
+        )
+    if max_new_tokens < 1:
+        raise SpeculaError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    generator = make_generator(seed, target.device)
+    eos = target.eos_token_ids if stop_on_eos else set()
+    stats.prompt_tokens = int(prompt.numel())
+    started = time.perf_counter()
+
+    out = target.prefill(prompt, drafter.features)
+    first = pick_token(out.logits[-1], params, generator)
+    drafter.start(prompt, out)
+    stats.prefill_time = time.perf_counter() - started
+    stats.cycles, stats.new_tokens = 1, 1
+    context = torch.cat([prompt, torch.tensor([first], device=target.device)])
+    stats.stop_reason = _stop_reason([first], eos, stats.new_tokens, max_new_tokens, len(context), target)
+    stats.total_time = time.perf_counter() - started
+    yield [first]
+
+    while not stats.stop_reason:
+        # Never draft past the token budget or the cache: a tree of depth d yields at most d + 1 tokens.
+        room = target.max_length - target.length
+        max_depth = min(max_new_tokens - stats.new_tokens - 1, room - 1)
+        tick = time.perf_counter()
+        tree = drafter.propose(context, max_depth, params, generator).prune(max_depth, room)
+        tock = time.perf_counter()
+        verified = target.forward(tree.tokens, tree.ancestor_mask(), tree.depths, drafter.features)
+        result = acceptor(tree, verified.logits, params, generator)
+        target.commit(result.accepted_nodes)
+        drafter.observe(tree.tokens[result.accepted_nodes], verified.select(result.accepted_nodes))
+        stats.verify_time += time.perf_counter() - tock
+        stats.draft_time += tock - tick
+
+        new = tree.tokens[result.accepted_nodes[1:]].tolist() + [result.next_token]
+        new = _clip(new, eos, max_new_tokens - stats.new_tokens)
+        context = torch.cat([context, torch.tensor(new, device=target.device)])
+        stats.cycles += 1
+        stats.new_tokens += len(new)
+        stats.accepted_lengths.append(result.accepted_drafts)
+        stats.tree_sizes.append(len(tree) - 1)
+        stats.stop_reason = _stop_reason(new, eos, stats.new_tokens, max_new_tokens, len(context), target)
+        stats.total_time = time.perf_counter() - started
+        yield new
+
+
+def _clip(new: list[int], eos: set[int], budget: int) -> list[int]:
+    """Cut ``new`` after the first EOS and to at most ``budget`` tokens."""
+    for i, token in enumerate(new):
+        if token in eos:
+            new = new[: i + 1]
+            break
+    return new[:budget]
+
+
+def _stop_reason(new: list[int], eos: set[int], produced: int, max_new_tokens: int, length: int,
+                 target: Target) -> str:
+    if new and new[-1] in eos:
+        return "eos"
+    if produced >= max_new_tokens:
+        return "max_new_tokens"
+    if length >= target.max_length:
+        return "context_length"
+    return ""
+
+
+def generate_tokens(target: Target, drafter: Drafter, prompt: torch.Tensor, max_new_tokens: int,
+                    params: SamplingParams, seed: int | None = None, stop_on_eos: bool = True,
+                    acceptor: Acceptor | None = None) -> tuple[list[int], GenerationStats]:
+    """Run the loop to the end; returns (new token ids, stats)."""
+    stats = GenerationStats()
+    tokens: list[int] = []
+    for chunk in stream_tokens(target, drafter, prompt, max_new_tokens, params, seed, stop_on_eos,
+                               acceptor, stats):
+        tokens.extend(chunk)
+    return tokens, stats

@@ -1,0 +1,34 @@
+"""One drafter class per method, built by name. Later methods register here without touching the loop."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from specula.drafters.base import Drafter
+from specula.drafters.draft_model import DraftModelDrafter, check_same_vocabulary
+from specula.drafters.prompt_lookup import PromptLookupDrafter
+from specula.drafters.vanilla import VanillaDrafter
+from specula.errors import SpeculaError
+from specula.target import Target
+
+METHODS = ("vanilla", "sps", "pld")
+
+
+def build_drafter(method: str, target: Target, draft: str | None = None, dtype: str = "auto",
+                  **options: Any) -> Drafter:
+    """Make the drafter for ``method``; ``draft`` is the draft model or head directory where one is needed."""
+    if method == "vanilla":
+        return VanillaDrafter()
+    if method == "pld":
+        return PromptLookupDrafter(**options)
+    if method == "sps":
+        if not draft:
+            raise SpeculaError("method sps needs --draft DIR, a small model with the target's tokenizer")
+        draft_model = Target.load(draft, dtype=dtype, device=target.device, max_length=target.max_length,
+                                  role="draft")
+        check_same_vocabulary(target, draft_model)
+        return DraftModelDrafter(draft_model, **options)
+    raise SpeculaError(f"unknown method '{method}'; choose one of {', '.join(METHODS)}")
+
+
+__all__ = ["Drafter", "METHODS", "build_drafter"]

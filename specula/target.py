@@ -1,0 +1,363 @@
+"""The target model: a local Hugging Face causal LM run over token trees with a preallocated KV cache.
+
+`Target.forward` appends a block of n tokens after the committed prefix. Each
+block token attends to the whole prefix and to the block tokens its
+``block_mask`` allows (its ancestors in a draft tree, or the causal triangle of
+a chain); its position id is prefix length + depth. Keys and values of the
+block are written to cache slots [length, length + n) and stay provisional
+until `commit` keeps the chosen ones (moving them next to the prefix: cost
+proportional to the kept count, not the cache length).
+
+Two runtimes share this contract:
+- `_LlamaFamilyRuntime` drives the decoder layers of Llama, Mistral, Qwen2 and
+  Qwen3 checkpoints directly with a static cache and one SDPA call per layer
+  (the gpt-fast recipe), reusing the `transformers` modules' weights, rotary
+  embedding and norms so the numbers match `transformers`.
+- `_GenericRuntime` calls the `transformers` model itself with a 4-D mask and a
+  `DynamicCache`, for any other causal LM that accepts 4-D attention masks.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from specula.errors import SpeculaError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LLAMA_FAMILY = {"llama", "mistral", "qwen2", "qwen3"}
+DEFAULT_MAX_CACHE = 8192
+
+
+@dataclass
+class ForwardOutput:
+    """What one forward over a block of n tokens returns.
+
+    logits:       [n, V], in the model dtype.
+    hidden:       [n, H] final post-norm hidden states, when requested.
+    layer_inputs: {layer index: [n, H]} inputs of the requested decoder layers.
+    """
+
+    logits: torch.Tensor
+    hidden: torch.Tensor | None = None
+    layer_inputs: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def select(self, rows: list[int] | torch.Tensor) -> ForwardOutput:
+        """The same output restricted to ``rows`` of the block."""
+        return ForwardOutput(
+            self.logits[rows],
+            None if self.hidden is None else self.hidden[rows],
+            {k: v[rows] for k, v in self.layer_inputs.items()},
+        )
+
+
+@dataclass(frozen=True)
+class FeatureRequest:
+    """Which hidden states a drafter needs from the target on every forward."""
+
+    final_hidden: bool = False
+    layer_inputs: tuple[int, ...] = ()
+
+
+def resolve_dtype(name: str | torch.dtype, model_dir: Path) -> torch.dtype:
+    """``auto`` means the dtype the weights are stored in; else one of DTYPES."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name == "auto":
+        return _stored_dtype(model_dir)
+    if name not in DTYPES:
+        raise SpeculaError(f"unknown dtype '{name}'; choose one of auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def _stored_dtype(model_dir: Path) -> torch.dtype:
+    from safetensors import safe_open
+
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        return torch.float32
+    names = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+    with safe_open(str(files[0]), "pt") as weights:
+        for key in weights.keys():
+            stored = names.get(weights.get_slice(key).get_dtype())
+            if stored is not None:
+                return stored
+    return torch.float32
+
+
+def check_model_dir(path: str | Path, role: str = "model") -> Path:
+    """A local directory holding a Hugging Face causal-LM config, or a SpeculaError."""
+    model_dir = Path(path)
+    if not model_dir.is_dir():
+        raise SpeculaError(f"{role} directory not found: {path}")
+    config_file = model_dir / "config.json"
+    if not config_file.is_file():
+        raise SpeculaError(f"{role} directory {path} has no config.json (not a Hugging Face model directory)")
+    try:
+        json.loads(config_file.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise SpeculaError(f"{role} config {config_file} is not valid JSON: {err}") from err
+    return model_dir
+
+
+def load_causal_lm(path: str | Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
+                   role: str = "model"):
+    """Load (model, tokenizer) from a local directory; never touches the network."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import logging as hf_logging
+
+    model_dir = check_model_dir(path, role)
+    torch_dtype = resolve_dtype(dtype, model_dir)
+    try:
+        config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    except (OSError, ValueError, KeyError) as err:
+        raise SpeculaError(f"{role} config in {path} cannot be read: {str(err).splitlines()[0]}") from err
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise SpeculaError(
+            f"{role} in {path} is not a causal language model (model_type '{config.model_type}')"
+        )
+    verbosity = hf_logging.get_verbosity()
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()  # a per-tensor bar for a local load is noise
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch_dtype, local_files_only=True, attn_implementation="sdpa"
+        )
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    except (OSError, ValueError, RuntimeError) as err:
+        raise SpeculaError(f"cannot load {role} from {path}: {str(err).splitlines()[0]}") from err
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+    model.to(device).eval()
+    model.requires_grad_(False)
+    return model, tokenizer
+
+
+class Target:
+    """A causal LM with a tree-capable forward and a preallocated KV cache (batch size 1)."""
+
+    def __init__(self, model, tokenizer=None, max_length: int | None = None, name: str = "model"):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.name = name
+        self.config = model.config
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        position_limit = getattr(self.config, "max_position_embeddings", None) or DEFAULT_MAX_CACHE
+        self.max_length = int(min(position_limit, max_length or DEFAULT_MAX_CACHE))
+        runtime = _LlamaFamilyRuntime if self.config.model_type in LLAMA_FAMILY else _GenericRuntime
+        self.runtime = runtime(model, self.max_length)
+        self.eos_token_ids = _eos_ids(model)
+
+    @classmethod
+    def load(cls, path: str | Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
+             max_length: int | None = None, role: str = "target") -> Target:
+        model, tokenizer = load_causal_lm(path, dtype, device, role)
+        return cls(model, tokenizer, max_length, name=Path(path).name)
+
+    @property
+    def length(self) -> int:
+        """Number of committed tokens in the cache."""
+        return self.runtime.length
+
+    def reset(self) -> None:
+        self.runtime.truncate(0)
+
+    def truncate(self, length: int) -> None:
+        """Forget committed tokens beyond ``length``."""
+        self.runtime.truncate(min(length, self.runtime.length))
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, block_mask: torch.Tensor | None = None,
+                depths: list[int] | torch.Tensor | None = None,
+                features: FeatureRequest = FeatureRequest()) -> ForwardOutput:
+        """Run ``tokens`` [n] after the committed prefix.
+
+        block_mask: bool [n, n], which block tokens each block token sees; None = causal chain.
+        depths:     [n] offsets of the positions from the prefix length; None = 0..n-1.
+        """
+        n = int(tokens.shape[0])
+        if self.length + n > self.max_length:
+            raise SpeculaError(f"context of {self.length + n} tokens exceeds the limit of {self.max_length}")
+        if depths is None:
+            positions = torch.arange(self.length, self.length + n, device=self.device)
+        else:
+            positions = self.length + torch.as_tensor(depths, device=self.device)
+        return self.runtime.forward(tokens.to(self.device), positions, block_mask, features)
+
+    def commit(self, keep: list[int] | None = None) -> None:
+        """Keep block entries ``keep`` (indices into the last block, in order); None keeps the whole block."""
+        self.runtime.commit(keep)
+
+    def prefill(self, tokens: torch.Tensor, features: FeatureRequest = FeatureRequest()) -> ForwardOutput:
+        """Start over with ``tokens`` [P] as the whole context; all of it is committed."""
+        self.reset()
+        out = self.forward(tokens, features=features)
+        self.commit()
+        return out
+
+
+def _eos_ids(model) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(source, "eos_token_id", None) if source is not None else None
+        if eos is not None:
+            ids.update([eos] if isinstance(eos, int) else list(eos))
+    return ids
+
+
+class _LlamaFamilyRuntime:
+    """Static-cache forward over the `transformers` decoder layers of Llama-like models."""
+
+    def __init__(self, model, capacity: int):
+        config = model.config
+        self.model = model
+        self.layers = list(model.model.layers)
+        first_attn = self.layers[0].self_attn
+        self.head_dim = first_attn.head_dim
+        self.n_kv = config.num_key_value_heads
+        self.apply_rope = sys.modules[type(first_attn).__module__].apply_rotary_pos_emb
+        param = next(model.parameters())
+        shape = (1, self.n_kv, capacity, self.head_dim)
+        self.keys = [torch.zeros(shape, dtype=param.dtype, device=param.device) for _ in self.layers]
+        self.values = [torch.zeros(shape, dtype=param.dtype, device=param.device) for _ in self.layers]
+        mistral_window = getattr(config, "sliding_window", None) if config.model_type == "mistral" else None
+        self.windows = [getattr(layer.self_attn, "sliding_window", None) or mistral_window for layer in self.layers]
+        self.length = 0
+        self.block = 0
+
+    def truncate(self, length: int) -> None:
+        self.length = length
+        self.block = 0
+
+    def commit(self, keep: list[int] | None) -> None:
+        start = self.length
+        if keep is None:
+            keep = list(range(self.block))
+        if keep != list(range(len(keep))):
+            source = torch.tensor(keep, device=self.keys[0].device) + start
+            for cache in (*self.keys, *self.values):
+                cache[:, :, start:start + len(keep)] = cache[:, :, source]
+        self.length = start + len(keep)
+        self.block = 0
+
+    def _mask(self, positions: torch.Tensor, block_mask: torch.Tensor | None, window: int | None):
+        n, start = positions.shape[0], self.length
+        if block_mask is None and window is None and (n == 1 or start == 0):
+            return None  # plain causal: handled without a mask
+        mask = torch.ones(n, start + n, dtype=torch.bool, device=positions.device)
+        if block_mask is None:
+            block_mask = torch.ones(n, n, dtype=torch.bool, device=positions.device).tril()
+        mask[:, start:] = block_mask
+        if window is not None:
+            key_positions = torch.cat([torch.arange(start, device=positions.device), positions])
+            mask &= key_positions[None, :] > positions[:, None] - window
+        return mask[None, None]
+
+    def forward(self, tokens, positions, block_mask, features: FeatureRequest) -> ForwardOutput:
+        base = self.model.model
+        n, start = tokens.shape[0], self.length
+        end = start + n
+        x = base.embed_tokens(tokens[None])
+        cos, sin = base.rotary_emb(x, positions[None])
+        masks = {w: self._mask(positions, block_mask, w) for w in set(self.windows)}
+        causal = block_mask is None and start == 0 and n > 1
+        layer_inputs = {}
+        for i, layer in enumerate(self.layers):
+            if i in features.layer_inputs:
+                layer_inputs[i] = x[0]
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attn.q_proj(h).view(1, n, -1, self.head_dim)
+            k = attn.k_proj(h).view(1, n, -1, self.head_dim)
+            v = attn.v_proj(h).view(1, n, -1, self.head_dim)
+            if hasattr(attn, "q_norm"):  # Qwen3 normalises each head before rotary
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = self.apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+            self.keys[i][:, :, start:end] = k
+            self.values[i][:, :, start:end] = v.transpose(1, 2)
+            mask = masks[self.windows[i]]
+            out = F.scaled_dot_product_attention(
+                q, self.keys[i][:, :, :end], self.values[i][:, :, :end], attn_mask=mask,
+                is_causal=causal and mask is None, scale=attn.scaling, enable_gqa=True,
+            )
+            x = x + attn.o_proj(out.transpose(1, 2).reshape(1, n, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        hidden = base.norm(x)[0]
+        logits = self.model.lm_head(hidden)
+        self.block = n
+        return ForwardOutput(logits, hidden if features.final_hidden else None, layer_inputs)
+
+
+class _GenericRuntime:
+    """Any `transformers` causal LM that accepts a 4-D attention mask, through its own forward."""
+
+    def __init__(self, model, capacity: int):
+        from transformers import DynamicCache
+
+        self.model = model
+        self.cache = DynamicCache(config=model.config)
+        self.length = 0
+        self.block = 0
+
+    def truncate(self, length: int) -> None:
+        from transformers import DynamicCache
+
+        if length == 0:
+            self.cache = DynamicCache(config=self.model.config)
+        else:
+            self.cache.crop(length)
+        self.length = length
+        self.block = 0
+
+    def commit(self, keep: list[int] | None) -> None:
+        start = self.length
+        if keep is None:
+            keep = list(range(self.block))
+        if keep != list(range(len(keep))):
+            source = torch.tensor(keep, device=self.model.device) + start
+            for layer in self.cache.layers:
+                layer.keys[:, :, start:start + len(keep)] = layer.keys[:, :, source]
+                layer.values[:, :, start:start + len(keep)] = layer.values[:, :, source]
+        self.cache.crop(start + len(keep))
+        self.length = start + len(keep)
+        self.block = 0
+
+    def forward(self, tokens, positions, block_mask, features: FeatureRequest) -> ForwardOutput:
+        n, start = tokens.shape[0], self.length
+        mask = torch.ones(n, start + n, dtype=torch.bool, device=tokens.device)
+        if block_mask is None:
+            block_mask = torch.ones(n, n, dtype=torch.bool, device=tokens.device).tril()
+        mask[:, start:] = block_mask
+        want_hidden = features.final_hidden or bool(features.layer_inputs)
+        out = self.model(
+            input_ids=tokens[None], attention_mask=mask[None, None], position_ids=positions[None],
+            past_key_values=self.cache, use_cache=True, output_hidden_states=want_hidden,
+        )
+        self.block = n
+        layer_inputs = {i: out.hidden_states[i][0] for i in features.layer_inputs} if want_hidden else {}
+        hidden = None
+        if features.final_hidden:
+            # hidden_states[-1] is the last layer's output before the final norm in most models.
+            hidden = _final_norm(self.model)(out.hidden_states[-1])[0]
+        return ForwardOutput(out.logits[0], hidden, layer_inputs)
+
+
+def _final_norm(model):
+    base = getattr(model, model.base_model_prefix, model)
+    for name in ("norm", "final_layernorm", "ln_f", "final_layer_norm"):
+        module = getattr(base, name, None)
+        if module is not None:
+            return module
+    raise SpeculaError(f"cannot find the final norm of {type(model).__name__} to expose its features")

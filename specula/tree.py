@@ -1,0 +1,101 @@
+"""Draft trees: the shape every drafter proposes and the target verifies in one pass.
+
+Node 0 is the root: the newest committed token, which the target has not yet
+processed (it is the target's own last sample). Every other node is a draft
+token whose parent comes earlier in the node order, so any prefix of the nodes
+is itself a tree. A chain is the tree whose node i has parent i - 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class DraftTree:
+    """A token tree.
+
+    tokens:      int64 [n], ``tokens[0]`` is the root.
+    parents:     list of n ints, ``parents[0] == -1`` and ``parents[i] < i``.
+    draft_probs: float32 [n, V] or None. Row i (i > 0) is the distribution node i's
+                 token was sampled from; row 0 is unused. None means every draft token
+                 was chosen deterministically (argmax, top-k, lookup), which the lossless
+                 acceptor treats as a point-mass proposal.
+    """
+
+    tokens: torch.Tensor
+    parents: list[int]
+    draft_probs: torch.Tensor | None = None
+    _depths: list[int] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if len(self.parents) != self.tokens.shape[0]:
+            raise ValueError("tokens and parents must have the same length")
+        if self.parents[0] != -1 or any(not (0 <= p < i) for i, p in enumerate(self.parents) if i):
+            raise ValueError(f"parents must satisfy parents[0] == -1 and 0 <= parents[i] < i: {self.parents}")
+
+    @classmethod
+    def root_only(cls, root: int, device: torch.device | str = "cpu") -> DraftTree:
+        return cls(torch.tensor([root], dtype=torch.long, device=device), [-1])
+
+    @classmethod
+    def chain(cls, root: int, drafts: list[int], draft_probs: torch.Tensor | None = None,
+              device: torch.device | str = "cpu") -> DraftTree:
+        """Root followed by ``drafts`` in a line; ``draft_probs`` [len(drafts), V] if sampled."""
+        tokens = torch.tensor([root, *drafts], dtype=torch.long, device=device)
+        if draft_probs is not None:
+            draft_probs = torch.cat([torch.zeros_like(draft_probs[:1]), draft_probs], dim=0)
+        return cls(tokens, list(range(-1, len(drafts))), draft_probs)
+
+    def __len__(self) -> int:
+        return len(self.parents)
+
+    @property
+    def depths(self) -> list[int]:
+        """Depth of each node; the root has depth 0."""
+        if self._depths is None:
+            depths = [0] * len(self)
+            for i in range(1, len(self)):
+                depths[i] = depths[self.parents[i]] + 1
+            self._depths = depths
+        return self._depths
+
+    def children(self, node: int) -> list[int]:
+        return [i for i in range(node + 1, len(self)) if self.parents[i] == node]
+
+    def is_chain(self) -> bool:
+        return all(p == i - 1 for i, p in enumerate(self.parents))
+
+    def ancestor_mask(self) -> torch.Tensor:
+        """bool [n, n]: entry (i, j) is True when j is i itself or one of its ancestors."""
+        n = len(self)
+        mask = torch.zeros(n, n, dtype=torch.bool)
+        for i in range(n):
+            if i:
+                mask[i] = mask[self.parents[i]]
+            mask[i, i] = True
+        return mask.to(self.tokens.device)
+
+    def path_to(self, node: int) -> list[int]:
+        """Node indices from the root to ``node``, both included."""
+        path = []
+        while node >= 0:
+            path.append(node)
+            node = self.parents[node]
+        return path[::-1]
+
+    def prune(self, max_depth: int, max_nodes: int) -> DraftTree:
+        """Keep the nodes with depth <= max_depth, at most ``max_nodes`` of them (in node order).
+
+        Node order puts parents first, so the kept set stays a connected tree.
+        """
+        keep = [i for i, d in enumerate(self.depths) if d <= max_depth][:max(1, max_nodes)]
+        if len(keep) == len(self):
+            return self
+        # Kept nodes are a prefix-closed set: a node's parent is kept before it.
+        new_index = {old: new for new, old in enumerate(keep)}
+        parents = [-1] + [new_index[self.parents[i]] for i in keep[1:]]
+        probs = None if self.draft_probs is None else self.draft_probs[keep]
+        return DraftTree(self.tokens[keep], parents, probs)
