@@ -52,7 +52,7 @@ class Speculator:
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise SpeculaError("the prompt is empty")
-            ids = self.tokenizer(prompt).input_ids
+            ids = self.tokenizer(prompt, verbose=False).input_ids
         else:
             ids = prompt.tolist() if isinstance(prompt, torch.Tensor) else list(prompt)
         if not ids:

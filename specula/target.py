@@ -117,9 +117,11 @@ def load_causal_lm(path: str | Path, dtype: str | torch.dtype = "auto", device: 
         config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     except (OSError, ValueError, KeyError) as err:
         raise SpeculaError(f"{role} config in {path} cannot be read: {str(err).splitlines()[0]}") from err
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_MASKED_LM_MAPPING
 
-    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+    # BERT-like encoders register an "LM head" causal class too, but attend both ways unless built as decoders.
+    encoder = type(config) in MODEL_FOR_MASKED_LM_MAPPING and not getattr(config, "is_decoder", False)
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING or encoder:
         raise SpeculaError(
             f"{role} in {path} is not a causal language model (model_type '{config.model_type}')"
         )
@@ -138,7 +140,10 @@ def load_causal_lm(path: str | Path, dtype: str | torch.dtype = "auto", device: 
         hf_logging.set_verbosity(verbosity)
         if bars:
             hf_logging.enable_progress_bar()
-    model.to(device).eval()
+    try:
+        model.to(device).eval()
+    except (RuntimeError, AssertionError) as err:
+        raise SpeculaError(f"device '{device}' is not usable: {str(err).splitlines()[0]}") from err
     model.requires_grad_(False)
     return model, tokenizer
 
@@ -178,7 +183,7 @@ class Target:
         """Forget committed tokens beyond ``length``."""
         self.runtime.truncate(min(length, self.runtime.length))
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: trainers feed these features to autograd
     def forward(self, tokens: torch.Tensor, block_mask: torch.Tensor | None = None,
                 depths: list[int] | torch.Tensor | None = None,
                 features: FeatureRequest = FeatureRequest()) -> ForwardOutput:
@@ -196,6 +201,7 @@ class Target:
             positions = self.length + torch.as_tensor(depths, device=self.device)
         return self.runtime.forward(tokens.to(self.device), positions, block_mask, features)
 
+    @torch.no_grad()  # not inference_mode: trainers feed these features to autograd
     def commit(self, keep: list[int] | None = None) -> None:
         """Keep block entries ``keep`` (indices into the last block, in order); None keeps the whole block."""
         self.runtime.commit(keep)
@@ -317,7 +323,7 @@ class _GenericRuntime:
         if length == 0:
             self.cache = DynamicCache(config=self.model.config)
         else:
-            self.cache.crop(length)
+            self._crop(length)
         self.length = length
         self.block = 0
 
@@ -330,9 +336,16 @@ class _GenericRuntime:
             for layer in self.cache.layers:
                 layer.keys[:, :, start:start + len(keep)] = layer.keys[:, :, source]
                 layer.values[:, :, start:start + len(keep)] = layer.values[:, :, source]
-        self.cache.crop(start + len(keep))
+        self._crop(start + len(keep))
         self.length = start + len(keep)
         self.block = 0
+
+    def _crop(self, length: int) -> None:
+        # Slicing directly: DynamicCache.crop changed meaning between transformers releases.
+        for layer in self.cache.layers:
+            if layer.keys is not None:
+                layer.keys = layer.keys[:, :, :length]
+                layer.values = layer.values[:, :, :length]
 
     def forward(self, tokens, positions, block_mask, features: FeatureRequest) -> ForwardOutput:
         n, start = tokens.shape[0], self.length

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from specula.errors import SpeculaError
 from specula.sampling import SamplingParams
 from specula.target import FeatureRequest, ForwardOutput
 from specula.tree import DraftTree
@@ -34,7 +35,7 @@ class PromptLookupDrafter:
 
     def __init__(self, num_tokens: int = 10, max_ngram: int = 3, min_ngram: int = 1):
         if num_tokens < 1 or min_ngram < 1 or max_ngram < min_ngram:
-            raise ValueError("pld needs num_tokens >= 1 and 1 <= min_ngram <= max_ngram")
+            raise SpeculaError("pld needs num_tokens >= 1 and 1 <= min_ngram <= max_ngram")
         self.num_tokens, self.max_ngram, self.min_ngram = num_tokens, max_ngram, min_ngram
 
     def start(self, prompt: torch.Tensor, target_out: ForwardOutput) -> None:

@@ -1,0 +1,103 @@
+"""Speed check: vanilla decoding through specula's runtime against `transformers` generate.
+
+Both decode the same prompts greedily (stopping at the same EOS),
+interleaved run by run so machine drift hits both alike; tokens/s are printed
+side by side with their ratio and whether the outputs were identical.
+
+    python -m specula.bench.vanilla_vs_hf --dtype bfloat16 --prompts 8 --max-new-tokens 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from specula.api import DEFAULT_TARGET
+from specula.decoding import generate_tokens
+from specula.drafters.vanilla import VanillaDrafter
+from specula.errors import SpeculaError
+from specula.sampling import SamplingParams
+from specula.target import Target
+
+DEFAULT_PROMPTS = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "pycode" / "eval.jsonl"
+
+
+def read_prompts(path: Path, limit: int) -> list[str]:
+    prompts = []
+    with open(path) as lines:
+        for line in lines:
+            record = json.loads(line)
+            prompts.append(record.get("prompt") or record.get("text") or record["turns"][0])
+            if len(prompts) == limit:
+                break
+    return prompts
+
+
+def run(target_dir: str, dtype: str, prompts: list[str], max_new_tokens: int, max_prompt_tokens: int,
+        repeats: int) -> dict:
+    target = Target.load(target_dir, dtype=dtype)
+    model, tokenizer = target.model, target.tokenizer
+    encoded = [torch.tensor(tokenizer(p).input_ids[-max_prompt_tokens:]) for p in prompts]
+    greedy = SamplingParams()
+
+    def ours(ids):
+        return generate_tokens(target, VanillaDrafter(), ids, max_new_tokens, greedy)[0]
+
+    def theirs(ids):
+        with torch.no_grad():
+            return model.generate(ids[None], do_sample=False, max_new_tokens=max_new_tokens)[0, len(ids):]
+
+    ours(encoded[0])  # warm-up both
+    theirs(encoded[0])
+    rates = {"specula": [], "transformers": []}
+    identical = 0
+    for _ in range(repeats):
+        for ids in encoded:
+            start = time.perf_counter()
+            mine = ours(ids)
+            middle = time.perf_counter()
+            reference = theirs(ids).tolist()
+            end = time.perf_counter()
+            rates["specula"].append(len(mine) / (middle - start))
+            rates["transformers"].append(len(reference) / (end - middle))
+            identical += mine == reference
+    mean = {k: statistics.mean(v) for k, v in rates.items()}
+    return {
+        "target": target_dir, "dtype": str(target.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
+        "runs": len(rates["specula"]), "max_new_tokens": max_new_tokens,
+        "specula_tokens_per_s": round(mean["specula"], 1),
+        "transformers_tokens_per_s": round(mean["transformers"], 1),
+        "ratio": round(mean["specula"] / mean["transformers"], 3),
+        "identical_outputs": f"{identical}/{len(rates['specula'])}",
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default=str(DEFAULT_TARGET))
+    parser.add_argument("--dtype", default="bfloat16", help="one or more of float32,bfloat16,float16 (comma separated)")
+    parser.add_argument("--prompts-file", default=str(DEFAULT_PROMPTS))
+    parser.add_argument("--prompts", type=int, default=6)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--max-prompt-tokens", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=1)
+    args = parser.parse_args(argv)
+    try:
+        prompts = read_prompts(Path(args.prompts_file), args.prompts)
+        for dtype in args.dtype.split(","):
+            result = run(args.target, dtype, prompts, args.max_new_tokens, args.max_prompt_tokens, args.repeats)
+            print(json.dumps(result))
+    except (SpeculaError, OSError) as err:
+        print(f"vanilla_vs_hf: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

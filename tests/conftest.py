@@ -1,0 +1,68 @@
+"""Shared test fixtures: paths to the models in ../shared and tiny random models of each family."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED_MODELS = REPO.parent / "shared" / "models"
+STORIES = SHARED_MODELS / "stories260k"
+LLAMA2XS = SHARED_MODELS / "llama2xs"
+PYCODER = REPO / "models" / "pycoder-25m"
+
+# Twenty story openings: greedy continuations of these do not degenerate on stories260k.
+STORY_PROMPTS = [
+    "Once upon a time",
+    "One day, a little girl named Lily",
+    "Tom and his dog went to the park",
+    "The sun was shining and the birds",
+    "There was a big red ball",
+    "Mom said it was time for bed, but",
+    "Sara had a new toy car",
+    "In the forest there lived a small rabbit",
+    "The boy wanted to eat the cake",
+    "Once there was a happy cat named Tim",
+    "Ben and Mia liked to play in the garden",
+    "It was a cold and rainy day",
+    "The little bird could not fly",
+    "Lucy found a shiny stone",
+    "Dad took Max to the beach",
+    "The old man had a magic hat",
+    "Anna was sad because her doll was broken",
+    "A friendly dragon lived on a hill",
+    "Timmy did not want to share his blocks",
+    "The princess looked out of the window",
+]
+
+
+@pytest.fixture(scope="session")
+def stories_dir() -> Path:
+    return STORIES
+
+
+def tiny_config(family: str, **overrides):
+    """A randomly initialisable config of ``family`` small enough for exact tests."""
+    from transformers import AutoConfig
+
+    base = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    extra = {
+        "llama": {},
+        "mistral": {"sliding_window": 8},
+        "qwen2": {"use_sliding_window": False},
+        "qwen3": {"head_dim": 16},
+    }[family]
+    base.update(extra)
+    base.update(overrides)
+    return AutoConfig.for_model(family, **base)
+
+
+def tiny_model(family: str, seed: int = 0, **overrides):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, **overrides), attn_implementation="sdpa")
+    return model.float().eval()

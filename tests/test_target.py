@@ -1,0 +1,108 @@
+"""The target runtime: tree forward, cache compaction, and equality with transformers for each family."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_model
+
+from specula.target import FeatureRequest, Target
+from specula.tree import DraftTree
+
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
+# float32 logits of a tree node vs the same path run alone: only summation order differs.
+TREE_ATOL = 1e-4
+
+
+def random_tree(n: int, vocab: int, seed: int) -> DraftTree:
+    gen = torch.Generator().manual_seed(seed)
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
+    return DraftTree(torch.randint(0, vocab, (n,), generator=gen), parents)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_decoding_matches_transformers_generate(family):
+    model = tiny_model(family, seed=1)
+    target = Target(model)
+    prompt = torch.randint(0, model.config.vocab_size, (12,), generator=torch.Generator().manual_seed(3))
+    expected = model.generate(prompt[None], max_new_tokens=40, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)[0, 12:].tolist()
+    out = target.prefill(prompt)
+    produced = [int(out.logits[-1].argmax())]
+    for _ in range(39):
+        out = target.forward(torch.tensor(produced[-1:]))
+        target.commit()
+        produced.append(int(out.logits[-1].argmax()))
+    assert produced == expected
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tree_node_logits_equal_running_each_path_alone(family):
+    model = tiny_model(family, seed=2)
+    target = Target(model)
+    prompt = torch.randint(0, 97, (20,), generator=torch.Generator().manual_seed(4))
+    tree = random_tree(15, 97, seed=5)
+    target.prefill(prompt)
+    out = target.forward(tree.tokens, tree.ancestor_mask(), tree.depths)
+    for node in range(len(tree)):
+        path = torch.cat([prompt, tree.tokens[tree.path_to(node)]])
+        reference = model(path[None]).logits[0, -1]
+        torch.testing.assert_close(out.logits[node], reference, atol=TREE_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_compacted_cache_equals_cache_of_recomputed_text(family):
+    model = tiny_model(family, seed=3)
+    target = Target(model)
+    prompt = torch.randint(0, 97, (10,), generator=torch.Generator().manual_seed(6))
+    tree = random_tree(12, 97, seed=7)
+    leaf = max(range(len(tree)), key=lambda i: tree.depths[i])
+    accepted = tree.path_to(leaf)
+    target.prefill(prompt)
+    target.forward(tree.tokens, tree.ancestor_mask(), tree.depths)
+    target.commit(accepted)
+    assert target.length == len(prompt) + len(accepted)
+
+    fresh = Target(tiny_model(family, seed=3))
+    fresh.prefill(torch.cat([prompt, tree.tokens[accepted]]))
+    for layer in range(model.config.num_hidden_layers):
+        for mine, theirs in ((target.runtime.keys, fresh.runtime.keys), (target.runtime.values, fresh.runtime.values)):
+            torch.testing.assert_close(mine[layer][:, :, : target.length], theirs[layer][:, :, : target.length],
+                                       atol=TREE_ATOL, rtol=0)
+    # And decoding continues exactly as from the recomputed text.
+    nxt = torch.tensor([5])
+    torch.testing.assert_close(target.forward(nxt).logits, fresh.forward(nxt).logits, atol=TREE_ATOL, rtol=0)
+
+
+def test_generic_runtime_handles_non_llama_models():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=97, n_embd=64, n_layer=2, n_head=4, n_positions=128)).eval()
+    target = Target(model)
+    assert type(target.runtime).__name__ == "_GenericRuntime"
+    prompt = torch.randint(0, 97, (9,), generator=torch.Generator().manual_seed(8))
+    tree = random_tree(10, 97, seed=9)
+    target.prefill(prompt)
+    out = target.forward(tree.tokens, tree.ancestor_mask(), tree.depths)
+    for node in range(len(tree)):
+        path = torch.cat([prompt, tree.tokens[tree.path_to(node)]])
+        torch.testing.assert_close(out.logits[node], model(path[None]).logits[0, -1], atol=TREE_ATOL, rtol=0)
+    accepted = tree.path_to(len(tree) - 1)
+    target.commit(accepted)
+    nxt = torch.tensor([3])
+    expected = model(torch.cat([prompt, tree.tokens[accepted], nxt])[None]).logits[0, -1]
+    torch.testing.assert_close(target.forward(nxt).logits[-1], expected, atol=TREE_ATOL, rtol=0)
+
+
+def test_features_are_final_hidden_and_layer_inputs():
+    model = tiny_model("llama", seed=4)
+    target = Target(model)
+    prompt = torch.randint(0, 97, (7,), generator=torch.Generator().manual_seed(10))
+    out = target.prefill(prompt, FeatureRequest(final_hidden=True, layer_inputs=(0, 2)))
+    reference = model(prompt[None], output_hidden_states=True)
+    # hidden_states[i] is the input of decoder layer i; the final features are after the last norm.
+    torch.testing.assert_close(out.layer_inputs[0], reference.hidden_states[0][0])
+    torch.testing.assert_close(out.layer_inputs[2], reference.hidden_states[2][0], atol=TREE_ATOL, rtol=0)
+    torch.testing.assert_close(out.logits, model.lm_head(out.hidden), atol=TREE_ATOL, rtol=0)
+    torch.testing.assert_close(out.logits, reference.logits[0], atol=TREE_ATOL, rtol=0)
