@@ -20,14 +20,13 @@ Two runtimes share this contract:
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from specula.errors import SpeculaError
+from specula.static_cache import StaticKVCache, block_attention_mask, decoder_layer_step, rotary_function
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LLAMA_FAMILY = {"llama", "mistral", "qwen2", "qwen3"}
@@ -230,79 +229,37 @@ class _LlamaFamilyRuntime:
         config = model.config
         self.model = model
         self.layers = list(model.model.layers)
-        first_attn = self.layers[0].self_attn
-        self.head_dim = first_attn.head_dim
-        self.n_kv = config.num_key_value_heads
-        self.apply_rope = sys.modules[type(first_attn).__module__].apply_rotary_pos_emb
         param = next(model.parameters())
-        shape = (1, self.n_kv, capacity, self.head_dim)
-        self.keys = [torch.zeros(shape, dtype=param.dtype, device=param.device) for _ in self.layers]
-        self.values = [torch.zeros(shape, dtype=param.dtype, device=param.device) for _ in self.layers]
+        self.cache = StaticKVCache(len(self.layers), config.num_key_value_heads, self.layers[0].self_attn.head_dim,
+                                   capacity, param.dtype, param.device)
+        self.apply_rope = rotary_function(self.layers[0])
         mistral_window = getattr(config, "sliding_window", None) if config.model_type == "mistral" else None
         self.windows = [getattr(layer.self_attn, "sliding_window", None) or mistral_window for layer in self.layers]
-        self.length = 0
-        self.block = 0
+
+    @property
+    def length(self) -> int:
+        return self.cache.length
 
     def truncate(self, length: int) -> None:
-        self.length = length
-        self.block = 0
+        self.cache.truncate(length)
 
     def commit(self, keep: list[int] | None) -> None:
-        start = self.length
-        if keep is None:
-            keep = list(range(self.block))
-        if keep != list(range(len(keep))):
-            source = torch.tensor(keep, device=self.keys[0].device) + start
-            for cache in (*self.keys, *self.values):
-                cache[:, :, start:start + len(keep)] = cache[:, :, source]
-        self.length = start + len(keep)
-        self.block = 0
-
-    def _mask(self, positions: torch.Tensor, block_mask: torch.Tensor | None, window: int | None):
-        n, start = positions.shape[0], self.length
-        if block_mask is None and window is None and (n == 1 or start == 0):
-            return None  # plain causal: handled without a mask
-        mask = torch.ones(n, start + n, dtype=torch.bool, device=positions.device)
-        if block_mask is None:
-            block_mask = torch.ones(n, n, dtype=torch.bool, device=positions.device).tril()
-        mask[:, start:] = block_mask
-        if window is not None:
-            key_positions = torch.cat([torch.arange(start, device=positions.device), positions])
-            mask &= key_positions[None, :] > positions[:, None] - window
-        return mask[None, None]
+        self.cache.commit(keep)
 
     def forward(self, tokens, positions, block_mask, features: FeatureRequest) -> ForwardOutput:
         base = self.model.model
-        n, start = tokens.shape[0], self.length
-        end = start + n
+        prefix = self.cache.length
         x = base.embed_tokens(tokens[None])
         cos, sin = base.rotary_emb(x, positions[None])
-        masks = {w: self._mask(positions, block_mask, w) for w in set(self.windows)}
-        causal = block_mask is None and start == 0 and n > 1
+        masks = {w: block_attention_mask(prefix, positions, block_mask, w) for w in set(self.windows)}
+        causal = block_mask is None and prefix == 0
         layer_inputs = {}
         for i, layer in enumerate(self.layers):
             if i in features.layer_inputs:
                 layer_inputs[i] = x[0]
-            attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = attn.q_proj(h).view(1, n, -1, self.head_dim)
-            k = attn.k_proj(h).view(1, n, -1, self.head_dim)
-            v = attn.v_proj(h).view(1, n, -1, self.head_dim)
-            if hasattr(attn, "q_norm"):  # Qwen3 normalises each head before rotary
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            q, k = self.apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-            self.keys[i][:, :, start:end] = k
-            self.values[i][:, :, start:end] = v.transpose(1, 2)
-            mask = masks[self.windows[i]]
-            out = F.scaled_dot_product_attention(
-                q, self.keys[i][:, :, :end], self.values[i][:, :, :end], attn_mask=mask,
-                is_causal=causal and mask is None, scale=attn.scaling, enable_gqa=True,
-            )
-            x = x + attn.o_proj(out.transpose(1, 2).reshape(1, n, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = decoder_layer_step(layer, x, cos, sin, self.cache, i, masks[self.windows[i]], causal, self.apply_rope)
         hidden = base.norm(x)[0]
         logits = self.model.lm_head(hidden)
-        self.block = n
         return ForwardOutput(logits, hidden if features.final_hidden else None, layer_inputs)
 
 

@@ -66,7 +66,8 @@ def test_compacted_cache_equals_cache_of_recomputed_text(family):
     fresh = Target(tiny_model(family, seed=3))
     fresh.prefill(torch.cat([prompt, tree.tokens[accepted]]))
     for layer in range(model.config.num_hidden_layers):
-        for mine, theirs in ((target.runtime.keys, fresh.runtime.keys), (target.runtime.values, fresh.runtime.values)):
+        for mine, theirs in ((target.runtime.cache.keys, fresh.runtime.cache.keys),
+                              (target.runtime.cache.values, fresh.runtime.cache.values)):
             torch.testing.assert_close(mine[layer][:, :, : target.length], theirs[layer][:, :, : target.length],
                                        atol=TREE_ATOL, rtol=0)
     # And decoding continues exactly as from the recomputed text.

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Creates .venv (if missing) and installs specula with its test tools into it.
+# torch is installed first and pinned: a bare "torch" requirement would pull a multi-GB CUDA build.
+# On a GPU machine, install the torch build for your CUDA first and set SPECULA_TORCH to it (or to "skip").
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ -x .venv/bin/python ] || python3 -m venv .venv
+torch_spec="${SPECULA_TORCH:-torch==2.13.0}"
+if [ "$torch_spec" != "skip" ]; then
+    .venv/bin/pip install --quiet --disable-pip-version-check "$torch_spec"
+fi
+.venv/bin/pip install --quiet --disable-pip-version-check -e ".[test]"

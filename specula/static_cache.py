@@ -1,0 +1,102 @@
+"""Running Llama-style decoder layers against a preallocated KV cache, for the target and draft heads alike.
+
+The cache holds a committed prefix in slots [0, length). A forward writes a
+block of n new entries to [length, length + n); `commit` then keeps the chosen
+block entries (moving them next to the prefix, cost proportional to the kept
+count) and `truncate` forgets committed entries.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+
+
+class StaticKVCache:
+    """Keys and values of every layer: ``n_layers`` × [1, n_kv_heads, capacity, head_dim]."""
+
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype,
+                 device: torch.device | str):
+        shape = (1, n_kv_heads, capacity, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.capacity = capacity
+        self.length = 0  # committed entries
+        self.block = 0  # provisional entries written by the last forward
+
+    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store a block's keys/values [1, n_kv, n, d] after the prefix; returns views of everything so far."""
+        end = self.length + keys.shape[2]
+        self.keys[layer][:, :, self.length:end] = keys
+        self.values[layer][:, :, self.length:end] = values
+        self.block = keys.shape[2]
+        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+    def truncate(self, length: int) -> None:
+        self.length = min(length, self.length)
+        self.block = 0
+
+    def commit(self, keep: list[int] | None = None) -> None:
+        """Keep block entries ``keep`` (in order) after the prefix; None keeps the whole block."""
+        start = self.length
+        if keep is None:
+            keep = list(range(self.block))
+        if keep != list(range(len(keep))):
+            source = torch.tensor(keep, device=self.keys[0].device) + start
+            for cache in (*self.keys, *self.values):
+                cache[:, :, start:start + len(keep)] = cache[:, :, source]
+        self.length = start + len(keep)
+        self.block = 0
+
+
+def block_attention_mask(prefix: int, positions: torch.Tensor, block_mask: torch.Tensor | None,
+                         window: int | None = None) -> torch.Tensor | None:
+    """bool [1, 1, n, prefix + n] for a block after ``prefix`` cached entries, or None for plain causal.
+
+    block_mask [n, n] says which block entries each block entry sees (None: causal chain);
+    ``window`` limits attention to keys whose position is within the last ``window`` positions.
+    Cache slot i holds position i, so prefix keys have positions 0..prefix-1.
+    """
+    n = positions.shape[0]
+    if block_mask is None and window is None and (n == 1 or prefix == 0):
+        return None
+    mask = torch.ones(n, prefix + n, dtype=torch.bool, device=positions.device)
+    if block_mask is None:
+        block_mask = torch.ones(n, n, dtype=torch.bool, device=positions.device).tril()
+    mask[:, prefix:] = block_mask
+    if window is not None:
+        key_positions = torch.cat([torch.arange(prefix, device=positions.device), positions])
+        mask &= key_positions[None, :] > positions[:, None] - window
+    return mask[None, None]
+
+
+def rotary_function(layer: torch.nn.Module):
+    """The `apply_rotary_pos_emb` of the modelling file that defines ``layer``'s attention."""
+    return sys.modules[type(layer.self_attn).__module__].apply_rotary_pos_emb
+
+
+def decoder_layer_step(layer: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       cache: StaticKVCache, index: int, mask: torch.Tensor | None, causal: bool,
+                       apply_rope, attention_input: torch.Tensor | None = None) -> torch.Tensor:
+    """One `transformers` Llama-style decoder layer on a block x [1, n, H] using ``cache`` layer ``index``.
+
+    ``causal`` asks SDPA for a causal mask when ``mask`` is None (a prefill from an empty cache).
+    ``attention_input`` replaces the normalised x as input of q/k/v (EAGLE-3 feeds a wider one there).
+    """
+    attn = layer.self_attn
+    n = x.shape[1]
+    h = layer.input_layernorm(x) if attention_input is None else attention_input
+    head_dim = attn.head_dim
+    q = attn.q_proj(h).view(1, n, -1, head_dim)
+    k = attn.k_proj(h).view(1, n, -1, head_dim)
+    v = attn.v_proj(h).view(1, n, -1, head_dim)
+    if hasattr(attn, "q_norm"):  # Qwen3 normalises each head before rotary
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k = apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+    keys, values = cache.write(index, k, v.transpose(1, 2))
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal and mask is None,
+                                         scale=attn.scaling, enable_gqa=True)
+    x = x + attn.o_proj(out.transpose(1, 2).reshape(1, n, -1))
+    return x + layer.mlp(layer.post_attention_layernorm(x))
