@@ -11,7 +11,7 @@ from specula.drafters.vanilla import VanillaDrafter
 from specula.errors import SpeculaError
 from specula.target import Target
 
-METHODS = ("vanilla", "sps", "pld")
+METHODS = ("vanilla", "sps", "pld", "eagle", "eagle2")
 
 
 def build_drafter(method: str, target: Target, draft: str | None = None, dtype: str = "auto",
@@ -28,6 +28,14 @@ def build_drafter(method: str, target: Target, draft: str | None = None, dtype: 
                                   role="draft")
         check_same_vocabulary(target, draft_model)
         return DraftModelDrafter(draft_model, **options)
+    if method in ("eagle", "eagle2"):
+        from specula.drafters.eagle import EagleDrafter
+        from specula.heads.eagle_head import EagleHead
+
+        if not draft:
+            raise SpeculaError(f"method {method} needs --draft HEAD_DIR, a trained EAGLE head for this target")
+        head = EagleHead.from_pretrained(draft, dtype=target.dtype, device=target.device)
+        return EagleDrafter(target, head, dynamic=method == "eagle2", **options)
     raise SpeculaError(f"unknown method '{method}'; choose one of {', '.join(METHODS)}")
 
 

@@ -1,0 +1,199 @@
+"""`eagle` and `eagle2`: drafting trees with an EAGLE head over the target's features.
+
+The head keeps its own KV cache of (feature f_i, token t_{i+1}) pairs for the
+committed text. Each cycle it first catches up on the pairs of the tokens the
+target just committed (their features come from the verification pass), which
+predicts the feature of the root and so the first draft layer. It then grows a
+tree: expanding a node feeds the pair (predicted feature of its parent, its
+token) through the head, attending to the committed pairs and the node's own
+ancestors, and the target's LM head turns the prediction into the next layer.
+Draft entries are discarded from the head's cache after every cycle.
+
+- `eagle` (EAGLE-1) grows a static tree given as paths of child ranks
+  ("choices", as Medusa writes them): [[0], [1], [0, 0]] means the top-2 tokens
+  after the root and the top token after the best one.
+- `eagle2` (EAGLE-2) grows a dynamic tree: a node's value is the product of draft
+  confidences on its path; each of `depth` steps expands the `top_k` most valuable
+  nodes of the newest layer, and finally the `total_tokens` most valuable drafted
+  nodes are kept (ties toward shallower nodes), which always form a connected tree.
+
+Drafts are chosen deterministically, so at temperature > 0 the acceptor treats
+them as point-mass proposals and the output stays exactly target-distributed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specula.errors import SpeculaError
+from specula.heads.eagle_head import EagleHead
+from specula.sampling import SamplingParams
+from specula.target import FeatureRequest, ForwardOutput, Target
+from specula.tree import DraftTree
+
+# A small static tree for CPUs, where verifying a node costs far more than on a GPU (see README).
+DEFAULT_CHOICES = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0], [0, 0, 0, 0, 0]]
+# EAGLE-2 tree budgets: the paper's GPU setting, and the one measured best on a 2-core CPU.
+CUDA_DYNAMIC = {"total_tokens": 60, "depth": 6, "top_k": 10}
+CPU_DYNAMIC = {"total_tokens": 16, "depth": 5, "top_k": 4}
+
+
+@dataclass
+class _Node:
+    token: int
+    parent: int  # index among drafted nodes, -1 for a child of the root
+    depth: int
+    value: float  # log of the product of draft confidences on the path
+    slot: int = -1  # row of this node's pair in the head cache block, once fed
+
+
+class EagleDrafter:
+    features = FeatureRequest(final_hidden=True)
+
+    def __init__(self, target: Target, head: EagleHead, dynamic: bool, choices: list[list[int]] | None = None,
+                 total_tokens: int | None = None, depth: int | None = None, top_k: int | None = None):
+        if head.hidden_size != target.config.hidden_size:
+            raise SpeculaError(f"EAGLE head hidden size {head.hidden_size} does not fit the target's "
+                               f"{target.config.hidden_size}")
+        head_vocab = head.config.get("vocab_size", target.vocab_size)
+        if head_vocab != target.vocab_size:
+            raise SpeculaError(f"EAGLE head vocabulary {head_vocab} does not fit the target's {target.vocab_size}")
+        self.name = "eagle2" if dynamic else "eagle"
+        self.target = target
+        self.head = head.to(device=target.device, dtype=target.dtype)
+        self.embed = target.model.get_input_embeddings()
+        self.lm_head = target.model.get_output_embeddings()
+        self.dynamic = dynamic
+        budget = CUDA_DYNAMIC if target.device.type == "cuda" else CPU_DYNAMIC
+        self.total_tokens = total_tokens or budget["total_tokens"]
+        self.depth = depth or budget["depth"]
+        self.top_k = top_k or budget["top_k"]
+        self.choices = sorted(choices or DEFAULT_CHOICES, key=lambda path: (len(path), path))
+        if min(self.total_tokens, self.depth, self.top_k) < 1:
+            raise SpeculaError("eagle2 needs total_tokens, depth and top_k >= 1")
+        self.cache = head.new_cache(target.max_length + self.total_tokens + 64)
+        self.pending: torch.Tensor | None = None  # target features not yet paired with their next token
+
+    def start(self, prompt: torch.Tensor, target_out: ForwardOutput) -> None:
+        self.cache.truncate(0)
+        self.pending = target_out.hidden
+
+    def observe(self, accepted: torch.Tensor, target_out: ForwardOutput) -> None:
+        self.pending = target_out.hidden
+
+    def propose(self, context: torch.Tensor, max_depth: int, params: SamplingParams,
+                generator: torch.Generator | None) -> DraftTree:
+        # Catch up: pair each new feature f_i with t_{i+1}; the last pair ends with the root.
+        count = self.pending.shape[0]
+        start = self.cache.length
+        positions = torch.arange(start, start + count, device=context.device)
+        predicted = self.head.step(self.pending, self.embed(context[-count:]), positions, self.cache, None)
+        self.cache.commit()
+        root_feature = predicted[-1:]
+        committed = self.cache.length
+        depth = min(self.depth if self.dynamic else max(map(len, self.choices)), max_depth)
+        if depth <= 0:
+            return DraftTree.root_only(int(context[-1]), device=context.device)
+        try:
+            nodes = self._grow(root_feature, depth) if self.dynamic else self._grow_static(root_feature, depth)
+        finally:
+            self.cache.truncate(committed)
+        return _as_tree(int(context[-1]), nodes, context.device)
+
+    # ---------------------------------------------------------------- tree growth
+
+    def _log_probs(self, features: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(self.lm_head(features).float(), dim=-1)
+
+    def _feed(self, nodes: list[_Node], frontier: list[int], parent_features: torch.Tensor,
+              fed: list[int], committed: int) -> torch.Tensor:
+        """Run the pairs of ``frontier`` nodes through the head; returns their predicted features [len, H]."""
+        device = parent_features.device
+        tokens = torch.tensor([nodes[i].token for i in frontier], device=device)
+        positions = torch.tensor([committed + nodes[i].depth - 1 for i in frontier], device=device)
+        # Each new pair sees every committed pair and the pairs of its own ancestors.
+        block = len(fed) + len(frontier)
+        mask = torch.ones(len(frontier), committed + block, dtype=torch.bool, device=device)
+        mask[:, committed:] = False
+        for row, index in enumerate(frontier):
+            nodes[index].slot = len(fed) + row
+            ancestor = index
+            while ancestor >= 0:
+                mask[row, committed + nodes[ancestor].slot] = True
+                ancestor = nodes[ancestor].parent
+        out = self.head.step(parent_features, self.embed(tokens), positions, self.cache, mask[None, None])
+        self.cache.commit()
+        fed.extend(frontier)
+        return out
+
+    def _grow(self, root_feature: torch.Tensor, depth: int) -> list[_Node]:
+        """EAGLE-2: expand the most valuable nodes layer by layer, then keep the best ``total_tokens``."""
+        committed = self.cache.length
+        log_probs = self._log_probs(root_feature)[0]
+        best = torch.topk(log_probs, self.top_k)
+        nodes = [_Node(int(t), -1, 1, float(v)) for v, t in zip(best.values, best.indices, strict=True)]
+        frontier = list(range(len(nodes)))
+        frontier_inputs = root_feature.expand(len(frontier), -1)
+        fed: list[int] = []
+        for _ in range(depth - 1):
+            predicted = self._feed(nodes, frontier, frontier_inputs, fed, committed)
+            children = torch.topk(self._log_probs(predicted), self.top_k, dim=-1)
+            values = torch.tensor([nodes[i].value for i in frontier], device=children.values.device)
+            totals = (values[:, None] + children.values).flatten()
+            first_child = len(nodes)
+            for row, parent in enumerate(frontier):
+                for col in range(self.top_k):
+                    nodes.append(_Node(int(children.indices[row, col]), parent, nodes[parent].depth + 1,
+                                       float(totals[row * self.top_k + col])))
+            # Only the top_k most valuable new nodes are expanded further.
+            chosen = torch.topk(totals, self.top_k).indices.tolist()
+            frontier = [first_child + c for c in chosen]
+            frontier_inputs = predicted[[c // self.top_k for c in chosen]]
+        # Rerank: a child's value never exceeds its parent's, so the best nodes (ties: shallower first)
+        # include every kept node's ancestors.
+        order = sorted(range(len(nodes)), key=lambda i: (-nodes[i].value, nodes[i].depth, i))
+        return _subset(nodes, order[: self.total_tokens])
+
+    def _grow_static(self, root_feature: torch.Tensor, depth: int) -> list[_Node]:
+        """EAGLE-1: children of each node by rank, as listed in ``choices``."""
+        committed = self.cache.length
+        paths = [tuple(p) for p in self.choices if len(p) <= depth]
+        index_of: dict[tuple[int, ...], int] = {}
+        nodes: list[_Node] = []
+        features = {(): root_feature[0]}
+        fed: list[int] = []
+        for level in range(1, depth + 1):
+            parents = sorted({p[:-1] for p in paths if len(p) == level and p[:-1] in features})
+            if not parents:
+                break
+            log_probs = self._log_probs(torch.stack([features[p] for p in parents]))
+            ranked = torch.argsort(log_probs, dim=-1, descending=True)
+            new = []
+            for row, parent in enumerate(parents):
+                for path in (p for p in paths if len(p) == level and p[:-1] == parent):
+                    token = int(ranked[row, path[-1]])
+                    index_of[path] = len(nodes)
+                    nodes.append(_Node(token, index_of.get(parent, -1), level, 0.0))
+                    new.append(path)
+            if level < depth and any(len(p) > level for p in paths):
+                expandable = [p for p in new if any(q[:level] == p and len(q) > level for q in paths)]
+                if expandable:
+                    inputs = torch.stack([features[p[:-1]] for p in expandable])
+                    predicted = self._feed(nodes, [index_of[p] for p in expandable], inputs, fed, committed)
+                    features.update(zip(expandable, predicted, strict=True))
+        return nodes
+
+
+def _subset(nodes: list[_Node], keep: list[int]) -> list[_Node]:
+    """The kept nodes in depth order with parents re-indexed (every kept node's parent is kept)."""
+    keep = sorted(keep, key=lambda i: (nodes[i].depth, i))
+    new_index = {old: new for new, old in enumerate(keep)}
+    return [_Node(nodes[i].token, new_index.get(nodes[i].parent, -1), nodes[i].depth, nodes[i].value) for i in keep]
+
+
+def _as_tree(root: int, nodes: list[_Node], device: torch.device) -> DraftTree:
+    """DraftTree with the root as node 0 and drafted node i as node i + 1 (parents come first)."""
+    tokens = torch.tensor([root] + [n.token for n in nodes], dtype=torch.long, device=device)
+    return DraftTree(tokens, [-1] + [n.parent + 1 for n in nodes])

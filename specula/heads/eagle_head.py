@@ -1,0 +1,175 @@
+"""The EAGLE draft head (EAGLE-1 paper): feature-level autoregression with shifted tokens.
+
+Input at position i is the target's feature f_i (final post-norm hidden state)
+and the embedding of the token one step ahead, t_{i+1}; a linear layer reduces
+cat(embedding, feature) from 2H to H, then N Llama decoder layers predict
+f_{i+1}. The target's own (frozen) LM head turns a predicted feature into token
+probabilities, and the target's embedding embeds the tokens: neither is stored
+in the head's checkpoint.
+
+Checkpoints use the official EAGLE layout: `config.json` with Llama keys (and
+`bias` for the fc layer, true when absent) and `fc.weight` [H, 2H], `fc.bias`,
+`layers.{i}.self_attn.{q,k,v,o}_proj.weight`, `layers.{i}.mlp.{gate,up,down}_proj.weight`,
+`layers.{i}.post_attention_layernorm.weight`, and `layers.{i}.input_layernorm.weight`
+for i > 0 (layer 0 normalises nothing at its input), in `model.safetensors` or
+`pytorch_model.bin`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from specula.errors import SpeculaError
+from specula.static_cache import StaticKVCache, decoder_layer_step, rotary_function
+
+CONFIG_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+               "num_hidden_layers", "rms_norm_eps", "rope_theta", "vocab_size", "max_position_embeddings",
+               "hidden_act", "head_dim")
+
+
+def llama_config(values: dict):
+    """A `transformers` LlamaConfig from the Llama keys of a head config (others ignored)."""
+    from transformers import LlamaConfig
+
+    known = {k: values[k] for k in CONFIG_KEYS if values.get(k) is not None}
+    if "rope_parameters" in values and "rope_theta" not in known:
+        known["rope_theta"] = values["rope_parameters"].get("rope_theta", 10000.0)
+    config = LlamaConfig(**known)
+    config._attn_implementation = "sdpa"  # the head's layers run standalone, outside a PreTrainedModel
+    return config
+
+
+class EagleHead(nn.Module):
+    """fc(cat(embed(t_{i+1}), f_i)) → N decoder layers → predicted f_{i+1}, all [.., H]."""
+
+    def __init__(self, config: dict):
+        super().__init__()
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+        self.config = dict(config)
+        self.config.setdefault("bias", True)
+        llama = llama_config(self.config)
+        hidden = llama.hidden_size
+        self.fc = nn.Linear(2 * hidden, hidden, bias=bool(self.config["bias"]))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(llama, i) for i in range(llama.num_hidden_layers))
+        self.layers[0].input_layernorm = nn.Identity()
+        self.rotary_emb = LlamaRotaryEmbedding(llama)
+        self.apply_rope = rotary_function(self.layers[0])
+        self.hidden_size = hidden
+
+    @classmethod
+    def for_target(cls, target_config, num_layers: int = 1, bias: bool = True) -> EagleHead:
+        """A fresh head shaped like one decoder layer of ``target_config``."""
+        values = {k: getattr(target_config, k, None) for k in CONFIG_KEYS}
+        rope = getattr(target_config, "rope_parameters", None) or {}
+        values["rope_theta"] = values.get("rope_theta") or rope.get("rope_theta", 10000.0)
+        values["num_hidden_layers"] = num_layers
+        values["bias"] = bias
+        values["architectures"] = ["LlamaForCausalLM"]
+        values["model_type"] = "llama"
+        return cls({k: v for k, v in values.items() if v is not None})
+
+    # ---------------------------------------------------------------- training: whole sequences
+
+    def forward(self, features: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
+        """Predicted next features [B, T, H] from features f_i and embeddings of t_{i+1}, both [B, T, H].
+
+        Causal over T; right padding is harmless because no real position attends to it.
+        """
+        x = self.fc(torch.cat([token_embeds, features], dim=-1))
+        positions = torch.arange(x.shape[1], device=x.device)[None].expand(x.shape[0], -1)
+        cos, sin = self.rotary_emb(x, positions)
+        for layer in self.layers:
+            x = layer(x, attention_mask=None, position_embeddings=(cos, sin))
+        return x
+
+    # ---------------------------------------------------------------- drafting: against a KV cache
+
+    def new_cache(self, capacity: int) -> StaticKVCache:
+        attn = self.layers[0].self_attn
+        param = self.fc.weight
+        kv_heads = attn.k_proj.out_features // attn.head_dim
+        return StaticKVCache(len(self.layers), kv_heads, attn.head_dim, capacity, param.dtype, param.device)
+
+    @torch.no_grad()
+    def step(self, features: torch.Tensor, token_embeds: torch.Tensor, positions: torch.Tensor,
+             cache: StaticKVCache, mask: torch.Tensor | None) -> torch.Tensor:
+        """Predicted features [n, H] for a block of n (feature, next-token embedding) pairs after the cache.
+
+        positions [n]; mask bool [1, 1, n, cache.length + n] or None for a causal chain.
+        """
+        x = self.fc(torch.cat([token_embeds, features], dim=-1))[None]
+        cos, sin = self.rotary_emb(x, positions[None])
+        causal = mask is None and cache.length == 0
+        for i, layer in enumerate(self.layers):
+            x = decoder_layer_step(layer, x, cos, sin, cache, i, mask, causal, self.apply_rope)
+        return x[0]
+
+    # ---------------------------------------------------------------- checkpoints (official layout)
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        """Write config.json and model.safetensors atomically (write, then rename)."""
+        from safetensors.torch import save_file
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items() if "rotary_emb" not in k}
+        config = dict(self.config, torch_dtype=str(self.fc.weight.dtype).removeprefix("torch."))
+        _atomic_write(directory / "model.safetensors", lambda path: save_file(state, path))
+        _atomic_write(directory / "config.json", lambda path: Path(path).write_text(json.dumps(config, indent=2)))
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, dtype: torch.dtype | None = None,
+                        device: str | torch.device = "cpu") -> EagleHead:
+        directory = Path(directory)
+        config_file = directory / "config.json"
+        if not config_file.is_file():
+            raise SpeculaError(f"EAGLE head directory {directory} has no config.json")
+        config = json.loads(config_file.read_text())
+        state = load_state_dict(directory)
+        state = {k: v for k, v in state.items() if not k.startswith(("embed_tokens.", "lm_head."))}
+        if "num_hidden_layers" not in config:
+            config["num_hidden_layers"] = 1 + max(int(k.split(".")[1]) for k in state if k.startswith("layers."))
+        config.setdefault("bias", "fc.bias" in state)
+        head = cls(config)
+        expected = {k for k in head.state_dict() if "rotary_emb" not in k}
+        missing, unexpected = expected - set(state), set(state) - expected
+        if missing or unexpected:
+            raise SpeculaError(
+                f"EAGLE head in {directory} does not match its config: missing {sorted(missing)[:4]}, "
+                f"unexpected {sorted(unexpected)[:4]}"
+            )
+        for name, tensor in state.items():
+            if head.state_dict()[name].shape != tensor.shape:
+                raise SpeculaError(f"EAGLE head tensor {name} has shape {tuple(tensor.shape)}, "
+                                   f"config implies {tuple(head.state_dict()[name].shape)}")
+        head.load_state_dict(state, strict=False)
+        return head.to(device=device, dtype=dtype or state["fc.weight"].dtype).eval()
+
+
+def load_state_dict(directory: Path) -> dict[str, torch.Tensor]:
+    """Tensors from model.safetensors or pytorch_model.bin in ``directory``."""
+    if (directory / "model.safetensors").is_file():
+        from safetensors.torch import load_file
+
+        return load_file(str(directory / "model.safetensors"))
+    if (directory / "pytorch_model.bin").is_file():
+        return torch.load(directory / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    raise SpeculaError(f"{directory} holds neither model.safetensors nor pytorch_model.bin")
+
+
+def _atomic_write(path: Path, write) -> None:
+    handle, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    os.close(handle)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)

@@ -1,0 +1,128 @@
+"""Training an EAGLE head (EAGLE-1 paper, section 4): regress the next feature, match the next token.
+
+For a sequence with target features f_0..f_{T-1} (final post-norm hidden
+states) and tokens t_0..t_{T-1}, the head reads (f_i + noise, embed(t_{i+1}))
+and predicts f_{i+1}. Loss per position = SmoothL1(pred, f_{i+1}) + 0.1 × the
+cross-entropy between the target's next-token distribution softmax(LM(f_{i+1}))
+and the head's softmax(LM(pred)), both through the target's frozen LM head,
+over response positions only. Input features get U(-0.1, 0.1) noise, as in the
+paper, so the head tolerates its own imperfect features at draft time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from specula.heads.eagle_head import EagleHead
+from specula.target import Target
+from specula.training.loop import TrainConfig, run_training, uniform_noise
+
+FEATURE_NOISE = 0.1
+TOKEN_LOSS_WEIGHT = 0.1
+
+
+def eagle_loss(target: Target, noise: float = FEATURE_NOISE):
+    """The loss function for `run_training`: batch has input_ids, loss_mask, hidden, valid, noise_seed."""
+    embed = target.model.get_input_embeddings()
+    lm_head = target.model.get_output_embeddings()
+
+    def loss_fn(head: EagleHead, batch: dict[str, torch.Tensor]):
+        features = batch["hidden"].float()
+        ids, valid, response = batch["input_ids"], batch["valid"], batch["loss_mask"]
+        inputs = features[:, :-1] + uniform_noise(batch, features.shape[-1], noise)[:, :-1]
+        with torch.no_grad():
+            token_embeds = embed(ids[:, 1:]).float()
+            target_probs = torch.softmax(lm_head(features[:, 1:].to(lm_head.weight.dtype)).float(), dim=-1)
+        predicted = head(inputs.to(head.fc.weight.dtype), token_embeds.to(head.fc.weight.dtype)).float()
+        # Position i predicts f_{i+1}, which decides token t_{i+2}: train where that token is a response token.
+        decides_response = torch.zeros_like(response[:, 1:])
+        decides_response[:, :-1] = response[:, 2:]
+        mask = valid[:, 1:] & (response[:, 1:] | decides_response)
+        feature_loss = F.smooth_l1_loss(predicted, features[:, 1:], reduction="none").mean(-1)
+        head_log_probs = torch.log_softmax(lm_head(predicted.to(lm_head.weight.dtype)).float(), dim=-1)
+        token_loss = -(target_probs * head_log_probs).sum(-1)
+        weight = mask.float()
+        count = weight.sum()
+        loss_sum = ((feature_loss + TOKEN_LOSS_WEIGHT * token_loss) * weight).sum()
+        with torch.no_grad():
+            agree = (head_log_probs.argmax(-1) == target_probs.argmax(-1)).float()
+            metrics = {
+                "feature_loss": (feature_loss * weight).sum() / count.clamp(min=1),
+                "token_loss": (token_loss * weight).sum() / count.clamp(min=1),
+                "top1": (agree * weight).sum() / count.clamp(min=1),
+            }
+        return loss_sum, int(count), metrics
+
+    return loss_fn
+
+
+@torch.no_grad()
+def chain_acceptance(head: EagleHead, target: Target, samples, max_steps: int = 4,
+                     max_positions: int = 64) -> list[float]:
+    """Acceptance rates n-α, n = 0..max_steps-1, of greedy chain drafting on held-out samples.
+
+    At each response position the head drafts a chain from the true features of the prefix;
+    draft n (0-based) reads n of the head's own predicted features. n-α is the fraction of
+    drafts n that equal the sample's next token among those whose earlier drafts all did.
+    Samples are the target's own greedy continuations, so their tokens are the target's choices.
+    """
+    head = head.eval()
+    embed = target.model.get_input_embeddings()
+    lm_head = target.model.get_output_embeddings()
+    dtype = head.fc.weight.dtype
+    tried = [0] * max_steps
+    accepted = [0] * max_steps
+    for sample in samples:
+        ids, response = sample["input_ids"].to(target.device), sample["loss_mask"]
+        features = sample["hidden"].to(target.device, dtype)
+        length = ids.shape[0]
+        cache = head.new_cache(length + max_steps + 1)
+        starts = [i for i in range(length - 2) if response[i + 2]][:max_positions]
+        done = 0
+        for start in starts:
+            # Commit the true pairs up to and including `start`.
+            pairs = torch.arange(done, start + 1, device=target.device)
+            predicted = head.step(features[pairs], embed(ids[pairs + 1]).to(dtype), pairs, cache, None)
+            cache.commit()
+            done = start + 1
+            feature = predicted[-1:]
+            for n in range(min(max_steps, length - start - 2)):
+                guess = int(lm_head(feature.to(lm_head.weight.dtype)).argmax(-1))
+                tried[n] += 1
+                if guess != int(ids[start + 2 + n]):
+                    break
+                accepted[n] += 1
+                position = torch.tensor([start + 1 + n], device=target.device)
+                feature = head.step(feature, embed(torch.tensor([guess], device=target.device)).to(dtype),
+                                    position, cache, None)
+                cache.commit()
+            cache.truncate(done)
+    return [a / t if t else 0.0 for a, t in zip(accepted, tried, strict=True)]
+
+
+@dataclass(frozen=True)
+class EagleTrainOptions:
+    num_layers: int = 1
+    eval_samples: int = 16
+
+
+def train_eagle(target: Target, train_set, eval_set, out: Path, config: TrainConfig,
+                options: EagleTrainOptions = EagleTrainOptions(), resume: bool = False,
+                log=print) -> list[dict]:
+    """Train a fresh EAGLE head for ``target`` on cached feature samples; writes it to ``out``."""
+    torch.manual_seed(config.seed)
+    head = EagleHead.for_target(target.config, num_layers=options.num_layers).float().to(target.device)
+
+    def evaluate(model: EagleHead, epoch: int) -> dict:
+        subset = [eval_set[i] for i in range(min(len(eval_set), options.eval_samples))]
+        rates = chain_acceptance(model, target, subset)
+        return {f"{n}-alpha": round(rate, 4) for n, rate in enumerate(rates)}
+
+    return run_training(head, train_set, eagle_loss(target), config, out,
+                        save_head=lambda model, directory: model.save_pretrained(directory),
+                        keys=("input_ids", "loss_mask", "hidden"), resume=resume,
+                        evaluate=evaluate if len(eval_set) else None, log=log)

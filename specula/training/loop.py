@@ -1,0 +1,210 @@
+"""What every head trainer shares: batching cached samples, the optimiser schedule, checkpoints and resume.
+
+A trainer supplies the head and a loss function; this module runs the epochs
+under Hugging Face Accelerate (one process, or data parallel when started by
+`torchrun` / `accelerate launch`), shows progress, writes checkpoints
+atomically every `save_every` steps and resumes from the last one so that an
+interrupted run ends with the same weights as an uninterrupted one.
+
+Resume is exact because everything random is derived from (seed, epoch, step):
+the sample order of an epoch is a seeded permutation, and the noise of a
+sample is seeded from (seed, step, its place in the global batch).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from specula.errors import SpeculaError
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 4
+    batch_size: int = 8  # sequences per optimiser step, over all processes
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 50
+    grad_clip: float = 0.5
+    save_every: int = 200
+    seed: int = 0
+    mixed_precision: str = "auto"  # auto: bf16 on CUDA, none on CPU (where bf16 matmuls are emulated here)
+
+
+def pad_batch(samples: list[dict], keys: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """Right-pad the per-sample tensors named ``keys`` to the longest sample; adds ``valid`` [B, T]."""
+    length = max(s["input_ids"].shape[0] for s in samples)
+    batch: dict[str, torch.Tensor] = {}
+    for key in keys:
+        first = samples[0][key]
+        padded = first.new_zeros((len(samples), length, *first.shape[1:]))
+        for row, sample in enumerate(samples):
+            padded[row, : sample[key].shape[0]] = sample[key]
+        batch[key] = padded
+    batch["valid"] = torch.zeros(len(samples), length, dtype=torch.bool)
+    for row, sample in enumerate(samples):
+        batch["valid"][row, : sample["input_ids"].shape[0]] = True
+    return batch
+
+
+def epoch_order(size: int, seed: int, epoch: int) -> list[int]:
+    return torch.randperm(size, generator=torch.Generator().manual_seed(seed * 1000 + epoch)).tolist()
+
+
+def uniform_noise(batch: dict[str, torch.Tensor], width: int, scale: float) -> torch.Tensor:
+    """U(-scale, scale) noise [B, T, width], drawn per sample from its own seed.
+
+    Seeding by sample (``batch["noise_seed"]``) keeps the noise of a sample the same however the
+    global batch is split over processes and whenever a run is resumed.
+    """
+    rows, length = batch["valid"].shape
+    noise = torch.zeros(rows, length, width, device=batch["valid"].device)
+    for row in range(rows):
+        generator = torch.Generator().manual_seed(int(batch["noise_seed"][row]))
+        count = int(batch["valid"][row].sum())
+        noise[row, :count] = ((torch.rand(count, width, generator=generator) * 2 - 1) * scale).to(noise.device)
+    return noise
+
+
+class Checkpointer:
+    """`out/checkpoint/` holds the head (in its release layout) and the trainer state, replaced atomically."""
+
+    def __init__(self, out: Path):
+        self.out = out
+        self.path = out / "checkpoint"
+
+    def save(self, head: nn.Module, state: dict, save_head: Callable[[nn.Module, Path], None]) -> None:
+        staging = self.out / ".checkpoint.tmp"
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        save_head(head, staging)
+        torch.save(state, staging / "trainer_state.pt")
+        old = self.out / ".checkpoint.old"
+        shutil.rmtree(old, ignore_errors=True)
+        if self.path.exists():
+            os.replace(self.path, old)
+        os.replace(staging, self.path)
+        shutil.rmtree(old, ignore_errors=True)
+
+    def load_state(self) -> dict | None:
+        file = self.path / "trainer_state.pt"
+        return torch.load(file, map_location="cpu", weights_only=False) if file.is_file() else None
+
+
+def lr_lambda(warmup: int, total: int) -> Callable[[int], float]:
+    """Linear warm-up, then cosine decay to 10% of the peak."""
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+    return factor
+
+
+def run_training(head: nn.Module, dataset, loss_fn: Callable, config: TrainConfig, out: Path,
+                 save_head: Callable[[nn.Module, Path], None], keys: tuple[str, ...], resume: bool = False,
+                 evaluate: Callable[[nn.Module, int], dict] | None = None, log: Callable[[str], None] = print,
+                 ) -> list[dict]:
+    """Train ``head`` on ``dataset`` (items: dicts of per-token tensors named ``keys``).
+
+    loss_fn(head, batch) -> (loss_sum, token_count, metrics): a sum over the batch's
+    loss tokens, so that the loop can normalise by the token count of the whole global batch.
+    Returns the history of logged records (one per step, plus evaluations).
+    """
+    from accelerate import Accelerator
+    from tqdm.auto import tqdm
+
+    mixed = config.mixed_precision
+    if mixed == "auto":
+        mixed = "bf16" if torch.cuda.is_available() else "no"
+    accelerator = Accelerator(mixed_precision=mixed, cpu=not torch.cuda.is_available())
+    world, rank = accelerator.num_processes, accelerator.process_index
+    if config.batch_size % world:
+        raise SpeculaError(f"batch size {config.batch_size} must be a multiple of the {world} processes")
+    per_process = config.batch_size // world
+    steps_per_epoch = len(dataset) // config.batch_size
+    if steps_per_epoch == 0:
+        raise SpeculaError(f"{len(dataset)} training samples are fewer than one batch of {config.batch_size}")
+    total_steps = steps_per_epoch * config.epochs
+    out.mkdir(parents=True, exist_ok=True)
+
+    optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config.warmup_steps, total_steps))
+    checkpointer = Checkpointer(out)
+    history: list[dict] = []
+    step = 0
+    if resume:
+        state = checkpointer.load_state()
+        if state is None:
+            log(f"no checkpoint in {checkpointer.path}; starting from scratch")
+        else:
+            if state["config"] != asdict(config):
+                raise SpeculaError("the checkpoint was written with other training settings; "
+                                   "resume with the same settings or start a new --out")
+            head.load_state_dict(state["head"])
+            optimizer.load_state_dict(state["optimizer"])
+            scheduler.load_state_dict(state["scheduler"])
+            step, history = state["step"], state["history"]
+            log(f"resumed from step {step} of {total_steps}")
+    model, optimizer = accelerator.prepare(head, optimizer)
+
+    progress = tqdm(total=total_steps, initial=step, desc="train", disable=not accelerator.is_main_process,
+                    dynamic_ncols=True)
+    started, tokens_seen = time.perf_counter(), 0
+    while step < total_steps:
+        epoch, index = divmod(step, steps_per_epoch)
+        order = epoch_order(len(dataset), config.seed, epoch)
+        first = index * config.batch_size + rank * per_process
+        batch = pad_batch([dataset[i] for i in order[first:first + per_process]], keys)
+        global_rows = torch.arange(first - index * config.batch_size, first - index * config.batch_size + per_process)
+        batch["noise_seed"] = (config.seed * 1_000_003 + step) * 4096 + global_rows
+        batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+        model.train()
+        with accelerator.autocast():
+            loss_sum, count, metrics = loss_fn(model, batch)
+        # Normalise by the tokens of the global batch, so the gradient is the same for any process count.
+        global_count = accelerator.reduce(torch.tensor(float(count), device=accelerator.device), "sum")
+        loss = loss_sum * world / global_count.clamp(min=1.0)
+        optimizer.zero_grad(set_to_none=True)
+        accelerator.backward(loss)
+        accelerator.clip_grad_norm_(model.parameters(), config.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        step += 1
+        tokens_seen += int(global_count)
+        reported = accelerator.reduce(loss.detach() / world, "sum").item()
+        record = {"step": step, "epoch": epoch, "loss": reported, "lr": scheduler.get_last_lr()[0],
+                  **{k: float(accelerator.reduce(v.detach(), "mean")) for k, v in metrics.items()}}
+        history.append(record)
+        rate = tokens_seen / (time.perf_counter() - started)
+        progress.set_postfix(loss=f"{reported:.4f}", tok_s=f"{rate:.0f}")
+        progress.update(1)
+        epoch_done = step % steps_per_epoch == 0
+        if evaluate is not None and epoch_done and accelerator.is_main_process:
+            result = {"step": step, "epoch": epoch, "eval": evaluate(accelerator.unwrap_model(model), epoch)}
+            history.append(result)
+            log(json.dumps(result))
+        if step % config.save_every == 0 or step == total_steps or epoch_done:
+            accelerator.wait_for_everyone()
+            if accelerator.is_main_process:
+                state = {"step": step, "config": asdict(config), "history": history,
+                         "head": accelerator.unwrap_model(model).state_dict(),
+                         "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
+                checkpointer.save(accelerator.unwrap_model(model), state, save_head)
+    progress.close()
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        final = accelerator.unwrap_model(model)
+        save_head(final, out)
+        (out / "training_history.json").write_text(json.dumps(history, indent=1))
+    return history

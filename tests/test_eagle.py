@@ -1,0 +1,214 @@
+"""EAGLE heads: checkpoint layout, static and dynamic draft trees, losslessness, training and resume."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import STORIES, STORY_PROMPTS
+
+import specula
+from specula.drafters.eagle import EagleDrafter
+from specula.errors import SpeculaError
+from specula.heads.eagle_head import EagleHead
+from specula.target import FeatureRequest, Target
+from specula.training.eagle_trainer import train_eagle
+from specula.training.loop import TrainConfig
+
+
+@pytest.fixture(scope="module")
+def stories_target() -> Target:
+    return Target.load(STORIES, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def stories_samples(stories_target):
+    """Greedy self-distilled continuations of the story prompts with their features."""
+    speculator = specula.load(STORIES, method="vanilla", dtype="float32")
+    samples = []
+    for prompt in STORY_PROMPTS:
+        prompt_ids = speculator.encode(prompt)
+        result = speculator.generate(prompt_ids, max_new_tokens=60)
+        ids = torch.cat([prompt_ids, torch.tensor(result.token_ids)])
+        mask = torch.zeros(len(ids), dtype=torch.bool)
+        mask[len(prompt_ids):] = True
+        hidden = stories_target.prefill(ids, FeatureRequest(final_hidden=True)).hidden
+        samples.append({"input_ids": ids, "loss_mask": mask, "hidden": hidden})
+    return samples
+
+
+@pytest.fixture(scope="module")
+def trained_head_dir(stories_target, stories_samples, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("eagle_head")
+    config = TrainConfig(epochs=6, batch_size=4, lr=3e-3, warmup_steps=5, save_every=1000)
+    train_eagle(stories_target, stories_samples[:16], stories_samples[16:], out, config, log=lambda _: None)
+    return out
+
+
+def test_checkpoint_round_trip_in_the_official_layout(stories_target, tmp_path):
+    torch.manual_seed(0)
+    head = EagleHead.for_target(stories_target.config, num_layers=2)
+    head.save_pretrained(tmp_path)
+    from safetensors.torch import load_file
+
+    keys = set(load_file(str(tmp_path / "model.safetensors")))
+    assert {"fc.weight", "fc.bias", "layers.0.self_attn.q_proj.weight", "layers.1.input_layernorm.weight",
+            "layers.0.post_attention_layernorm.weight", "layers.1.mlp.down_proj.weight"} <= keys
+    assert "layers.0.input_layernorm.weight" not in keys  # layer 0 normalises nothing at its input
+    assert not any(k.startswith(("embed_tokens", "lm_head")) for k in keys)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["hidden_size"] == 64 and config["num_hidden_layers"] == 2 and config["bias"] is True
+    loaded = EagleHead.from_pretrained(tmp_path)
+    for name, tensor in head.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[name], tensor)
+
+
+def test_official_pytorch_bin_without_bias_key_loads(stories_target, tmp_path):
+    torch.manual_seed(1)
+    head = EagleHead.for_target(stories_target.config)
+    state = {k: v for k, v in head.state_dict().items() if "rotary" not in k}
+    state["embed_tokens.weight"] = torch.zeros(512, 64)  # some releases ship the embedding; it is ignored
+    torch.save(state, tmp_path / "pytorch_model.bin")
+    config = {k: v for k, v in head.config.items() if k != "bias"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    loaded = EagleHead.from_pretrained(tmp_path)
+    assert loaded.config["bias"] is True
+    torch.testing.assert_close(loaded.fc.weight, head.fc.weight)
+
+
+def test_head_that_does_not_fit_the_target_is_refused(stories_target, tmp_path):
+    from transformers import LlamaConfig
+
+    other = LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+                        vocab_size=512)
+    EagleHead.for_target(other).save_pretrained(tmp_path)
+    with pytest.raises(SpeculaError, match="hidden size 32 .* 64"):
+        specula.load(STORIES, method="eagle2", draft=tmp_path, dtype="float32")
+
+
+def test_checkpoint_whose_tensors_disagree_with_config_is_refused(stories_target, tmp_path):
+    EagleHead.for_target(stories_target.config).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["intermediate_size"] = 999
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SpeculaError, match="shape"):
+        EagleHead.from_pretrained(tmp_path)
+
+
+def test_training_loss_falls(trained_head_dir):
+    history = json.loads((trained_head_dir / "training_history.json").read_text())
+    losses = [h["loss"] for h in history if "loss" in h]
+    assert sum(losses[-4:]) / 4 < 0.8 * sum(losses[:4]) / 4
+    evaluations = [h["eval"] for h in history if "eval" in h]
+    assert evaluations and evaluations[-1]["0-alpha"] > evaluations[0]["0-alpha"]
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle2"])
+def test_greedy_output_equals_transformers_generate(method, trained_head_dir):
+    reference = specula.load(STORIES, method="vanilla", dtype="float32")
+    speculator = specula.load(STORIES, method=method, draft=trained_head_dir, dtype="float32")
+    accepted = 0
+    for prompt in STORY_PROMPTS:
+        ids = reference.encode(prompt)
+        expected = reference.target.model.generate(ids[None], max_new_tokens=48, do_sample=False)[0, len(ids):]
+        result = speculator.generate(prompt, max_new_tokens=48)
+        assert result.token_ids == expected.tolist(), prompt
+        accepted += sum(result.stats.accepted_lengths)
+    assert accepted > 0, "the head never drafted an accepted token, so equality proved little"
+
+
+def test_dynamic_tree_keeps_the_most_valuable_connected_nodes(stories_target, trained_head_dir):
+    head = EagleHead.from_pretrained(trained_head_dir)
+    drafter = EagleDrafter(stories_target, head, dynamic=True, total_tokens=12, depth=4, top_k=3)
+    prompt = specula.load(STORIES, dtype="float32").encode(STORY_PROMPTS[0])
+    out = stories_target.prefill(prompt, drafter.features)
+    drafter.start(prompt, out)
+    context = torch.cat([prompt, torch.tensor([int(out.logits[-1].argmax())])])
+    captured = {}
+    original = drafter._grow
+
+    def spy(root_feature, depth):
+        nodes = original(root_feature, depth)
+        captured["nodes"] = nodes
+        return nodes
+
+    drafter._grow = spy
+    tree = drafter.propose(context, max_depth=10, params=specula.SamplingParams(), generator=None)
+    nodes = captured["nodes"]
+    assert len(tree) == 13 and len(nodes) == 12
+    values = [n.value for n in nodes]
+    for i, node in enumerate(nodes):
+        # Every kept node's ancestors are kept, and a parent is worth at least its child.
+        if node.parent >= 0:
+            assert nodes[node.parent].depth == node.depth - 1
+            assert values[node.parent] >= values[i]
+        assert tree.depths[i + 1] == node.depth
+    mask = tree.ancestor_mask()
+    for i in range(len(tree)):
+        assert set(torch.nonzero(mask[i]).flatten().tolist()) == set(tree.path_to(i))
+    assert drafter.cache.length == len(context) - 1  # draft entries were discarded
+
+
+def test_dynamic_tree_rerank_matches_brute_force_selection(stories_target, trained_head_dir):
+    """All expanded candidates are scored; the kept ones are exactly the total_tokens best."""
+    head = EagleHead.from_pretrained(trained_head_dir)
+    drafter = EagleDrafter(stories_target, head, dynamic=True, total_tokens=7, depth=3, top_k=3)
+    prompt = specula.load(STORIES, dtype="float32").encode(STORY_PROMPTS[3])
+    out = stories_target.prefill(prompt, drafter.features)
+    drafter.start(prompt, out)
+    context = torch.cat([prompt, torch.tensor([int(out.logits[-1].argmax())])])
+    everything = {}
+    import specula.drafters.eagle as eagle_module
+
+    original_subset = eagle_module._subset
+
+    def spy(nodes, keep):
+        everything["all"] = list(nodes)
+        everything["keep"] = list(keep)
+        return original_subset(nodes, keep)
+
+    eagle_module._subset = spy
+    try:
+        drafter.propose(context, max_depth=10, params=specula.SamplingParams(), generator=None)
+    finally:
+        eagle_module._subset = original_subset
+    pool = everything["all"]
+    assert len(pool) == 3 + 2 * 9  # top_k at depth 1, top_k * top_k at each later depth
+    best = sorted(range(len(pool)), key=lambda i: (-pool[i].value, pool[i].depth, i))[:7]
+    assert sorted(everything["keep"]) == sorted(best)
+
+
+def test_resumed_training_ends_with_the_same_weights(stories_target, stories_samples, tmp_path):
+    config = TrainConfig(epochs=2, batch_size=4, lr=3e-3, warmup_steps=3, save_every=3)
+    train_eagle(stories_target, stories_samples[:12], [], tmp_path / "whole", config, log=lambda _: None)
+
+    import specula.training.eagle_trainer as trainer
+
+    original = trainer.eagle_loss
+    calls = {"n": 0}
+
+    def interrupted_loss(target, noise=0.1):
+        inner = original(target, noise)
+
+        def loss_fn(head, batch):
+            calls["n"] += 1
+            if calls["n"] == 5:  # after the checkpoint at step 3
+                raise KeyboardInterrupt
+            return inner(head, batch)
+
+        return loss_fn
+
+    trainer.eagle_loss = interrupted_loss
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            train_eagle(stories_target, stories_samples[:12], [], tmp_path / "split", config, log=lambda _: None)
+    finally:
+        trainer.eagle_loss = original
+    train_eagle(stories_target, stories_samples[:12], [], tmp_path / "split", config, resume=True,
+                log=lambda _: None)
+    whole = EagleHead.from_pretrained(tmp_path / "whole")
+    split = EagleHead.from_pretrained(tmp_path / "split")
+    for name, tensor in whole.state_dict().items():
+        torch.testing.assert_close(split.state_dict()[name], tensor, rtol=0, atol=0)
