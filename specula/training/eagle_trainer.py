@@ -37,7 +37,8 @@ def eagle_loss(target: Target, noise: float = FEATURE_NOISE):
         with torch.no_grad():
             token_embeds = embed(ids[:, 1:]).float()
             target_probs = torch.softmax(lm_head(features[:, 1:].to(lm_head.weight.dtype)).float(), dim=-1)
-        predicted = head(inputs.to(head.fc.weight.dtype), token_embeds.to(head.fc.weight.dtype)).float()
+        dtype = next(head.parameters()).dtype  # head may be wrapped for data parallelism
+        predicted = head(inputs.to(dtype), token_embeds.to(dtype)).float()
         # Position i predicts f_{i+1}, which decides token t_{i+2}: train where that token is a response token.
         decides_response = torch.zeros_like(response[:, 1:])
         decides_response[:, :-1] = response[:, 2:]
