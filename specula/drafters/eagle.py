@@ -30,7 +30,7 @@ import torch
 from specula.errors import SpeculaError
 from specula.heads.eagle_head import EagleHead
 from specula.sampling import SamplingParams
-from specula.target import FeatureRequest, ForwardOutput, Target
+from specula.target import ForwardOutput, Target
 from specula.tree import DraftTree
 
 # A small static tree for CPUs, where verifying a node costs far more than on a GPU (see README).
@@ -50,19 +50,21 @@ class _Node:
 
 
 class EagleDrafter:
-    features = FeatureRequest(final_hidden=True)
+    """Drafts trees with any head implementing EagleHead's drafting protocol (EAGLE-1 or EAGLE-3)."""
 
-    def __init__(self, target: Target, head: EagleHead, dynamic: bool, choices: list[list[int]] | None = None,
-                 total_tokens: int | None = None, depth: int | None = None, top_k: int | None = None):
+    def __init__(self, target: Target, head: EagleHead, dynamic: bool, name: str | None = None,
+                 choices: list[list[int]] | None = None, total_tokens: int | None = None,
+                 depth: int | None = None, top_k: int | None = None):
         if head.hidden_size != target.config.hidden_size:
             raise SpeculaError(f"EAGLE head hidden size {head.hidden_size} does not fit the target's "
                                f"{target.config.hidden_size}")
         head_vocab = head.config.get("vocab_size", target.vocab_size)
         if head_vocab != target.vocab_size:
             raise SpeculaError(f"EAGLE head vocabulary {head_vocab} does not fit the target's {target.vocab_size}")
-        self.name = "eagle2" if dynamic else "eagle"
+        self.name = name or ("eagle2" if dynamic else "eagle")
         self.target = target
         self.head = head.to(device=target.device, dtype=target.dtype)
+        self.features = head.feature_request()
         self.embed = target.model.get_input_embeddings()
         self.lm_head = target.model.get_output_embeddings()
         self.dynamic = dynamic
@@ -78,10 +80,10 @@ class EagleDrafter:
 
     def start(self, prompt: torch.Tensor, target_out: ForwardOutput) -> None:
         self.cache.truncate(0)
-        self.pending = target_out.hidden
+        self.pending = self.head.target_features(target_out)
 
     def observe(self, accepted: torch.Tensor, target_out: ForwardOutput) -> None:
-        self.pending = target_out.hidden
+        self.pending = self.head.target_features(target_out)
 
     def propose(self, context: torch.Tensor, max_depth: int, params: SamplingParams,
                 generator: torch.Generator | None) -> DraftTree:
@@ -105,7 +107,7 @@ class EagleDrafter:
     # ---------------------------------------------------------------- tree growth
 
     def _log_probs(self, features: torch.Tensor) -> torch.Tensor:
-        return torch.log_softmax(self.lm_head(features).float(), dim=-1)
+        return self.head.token_log_probs(features, self.lm_head)
 
     def _feed(self, nodes: list[_Node], frontier: list[int], parent_features: torch.Tensor,
               fed: list[int], committed: int) -> torch.Tensor:
@@ -123,7 +125,8 @@ class EagleDrafter:
             while ancestor >= 0:
                 mask[row, committed + nodes[ancestor].slot] = True
                 ancestor = nodes[ancestor].parent
-        out = self.head.step(parent_features, self.embed(tokens), positions, self.cache, mask[None, None])
+        out = self.head.step(parent_features, self.embed(tokens), positions, self.cache, mask[None, None],
+                             own_features=True)
         self.cache.commit()
         fed.extend(frontier)
         return out

@@ -27,6 +27,7 @@ from torch import nn
 
 from specula.errors import SpeculaError
 from specula.static_cache import StaticKVCache, decoder_layer_step, rotary_function
+from specula.target import FeatureRequest, ForwardOutput
 
 CONFIG_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
                "num_hidden_layers", "rms_norm_eps", "rope_theta", "vocab_size", "max_position_embeddings",
@@ -97,12 +98,27 @@ class EagleHead(nn.Module):
         kv_heads = attn.k_proj.out_features // attn.head_dim
         return StaticKVCache(len(self.layers), kv_heads, attn.head_dim, capacity, param.dtype, param.device)
 
+    # The draft-head protocol EagleDrafter drives (EAGLE-3's head implements it too).
+
+    def feature_request(self) -> FeatureRequest:
+        """What the head reads from every target forward."""
+        return FeatureRequest(final_hidden=True)
+
+    def target_features(self, out: ForwardOutput) -> torch.Tensor:
+        """The head's input features [n, H] from a target forward's output rows."""
+        return out.hidden
+
+    def token_log_probs(self, predicted: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        """Log-probabilities [n, V] over the target vocabulary from predicted features [n, H]."""
+        return torch.log_softmax(lm_head(predicted).float(), dim=-1)
+
     @torch.no_grad()
     def step(self, features: torch.Tensor, token_embeds: torch.Tensor, positions: torch.Tensor,
-             cache: StaticKVCache, mask: torch.Tensor | None) -> torch.Tensor:
+             cache: StaticKVCache, mask: torch.Tensor | None, own_features: bool = False) -> torch.Tensor:
         """Predicted features [n, H] for a block of n (feature, next-token embedding) pairs after the cache.
 
         positions [n]; mask bool [1, 1, n, cache.length + n] or None for a causal chain.
+        ``own_features`` says the features are the head's own predictions (same input for EAGLE-1).
         """
         x = self.fc(torch.cat([token_embeds, features], dim=-1))[None]
         cos, sin = self.rotary_emb(x, positions[None])
