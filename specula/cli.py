@@ -88,8 +88,41 @@ def add_generate(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--device", type=device_name, default="cpu", help="torch device (default: %(default)s)")
     p.add_argument("--num-draft-tokens", type=positive_int, metavar="N",
                    help="draft tokens per cycle for sps and pld (default: the method's own)")
+    p.add_argument("--tree-total-tokens", type=positive_int, metavar="N",
+                   help="eagle2/eagle3: draft nodes kept after reranking (default: measured for the device)")
+    p.add_argument("--tree-depth", type=positive_int, metavar="N", help="eagle2/eagle3: expansion steps")
+    p.add_argument("--tree-top-k", type=positive_int, metavar="K", help="eagle2/eagle3: nodes expanded per step")
+    p.add_argument("--tree-choices", type=tree_choices, metavar="JSON",
+                   help="eagle: static tree as a JSON list of child-rank paths, e.g. '[[0],[1],[0,0]]'")
     p.add_argument("--json", action="store_true", help="print one JSON object with the text and statistics")
     p.set_defaults(handler=run_generate)
+
+
+def tree_choices(text: str) -> list[list[int]]:
+    try:
+        paths = json.loads(Path(text).read_text() if Path(text).is_file() else text)
+    except (OSError, json.JSONDecodeError) as err:
+        raise argparse.ArgumentTypeError(f"tree choices must be a JSON list of paths: {err}") from err
+    if not (isinstance(paths, list) and paths and all(
+            isinstance(p, list) and p and all(isinstance(r, int) and r >= 0 for r in p) for p in paths)):
+        raise argparse.ArgumentTypeError("tree choices must be a non-empty JSON list of non-empty rank lists")
+    present = {tuple(p) for p in paths}
+    if any(tuple(p[:-1]) not in present for p in paths if len(p) > 1):
+        raise argparse.ArgumentTypeError("every tree path's parent path must be listed too")
+    return paths
+
+
+def drafter_options(args: argparse.Namespace) -> dict:
+    """Method options given on the command line (absent ones keep the method's defaults)."""
+    names = {"num_draft_tokens": "num_tokens", "tree_total_tokens": "total_tokens", "tree_depth": "depth",
+             "tree_top_k": "top_k", "tree_choices": "choices"}
+    options = {option: getattr(args, arg) for arg, option in names.items() if getattr(args, arg) is not None}
+    tree_options = {"total_tokens", "depth", "top_k", "choices"} & set(options)
+    if tree_options and args.method not in ("eagle", "eagle2", "eagle3", "medusa"):
+        raise SpeculaError(f"--tree-* options do not apply to method {args.method}")
+    if "num_tokens" in options and args.method not in ("sps", "pld", "ada"):
+        raise SpeculaError(f"--num-draft-tokens does not apply to method {args.method}")
+    return options
 
 
 def read_prompt(args: argparse.Namespace) -> str:
@@ -111,7 +144,7 @@ def run_generate(args: argparse.Namespace) -> int:
     prompt = read_prompt(args)
     # Check the sampling settings before loading models, which can take far longer than a typo deserves.
     specula.SamplingParams(args.temperature, args.top_k, args.top_p)
-    options = {} if args.num_draft_tokens is None else {"num_tokens": args.num_draft_tokens}
+    options = drafter_options(args)
     speculator = specula.load(args.target, method=args.method, draft=args.draft, dtype=args.dtype,
                               device=args.device, **options)
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -133,10 +166,97 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- train
+
+
+def add_data_arguments(p: argparse.ArgumentParser) -> None:
+    """Options every head trainer shares: target, data, self-distillation, caching, schedule, resume."""
+    from specula.api import DEFAULT_TARGET
+
+    p.add_argument("--target", type=Path, default=DEFAULT_TARGET, metavar="DIR",
+                   help="target model directory (default: the bundled %(default)s)")
+    p.add_argument("--data", type=Path, required=True, metavar="FILE",
+                   help="JSONL of {'conversations': [...]}, {'prompt': ...} or {'text': ...} records")
+    p.add_argument("--out", type=Path, required=True, metavar="DIR", help="where the head and checkpoints go")
+    p.add_argument("--cache-dir", type=Path, metavar="DIR",
+                   help="keep regenerated samples and target features here and reuse them (resumable)")
+    p.add_argument("--no-regenerate", action="store_true",
+                   help="train on the data's own responses instead of the target's (no self-distillation)")
+    p.add_argument("--gen-max-new-tokens", type=positive_int, default=256, metavar="N",
+                   help="length of regenerated responses (default: %(default)s)")
+    p.add_argument("--gen-temperature", type=float, default=0.0, metavar="T",
+                   help="temperature of regenerated responses (default: %(default)s, greedy)")
+    p.add_argument("--gen-batch-size", type=positive_int, default=16, metavar="N")
+    p.add_argument("--eval-samples", type=positive_int, default=32, metavar="N",
+                   help="samples held out for the per-epoch evaluation (default: %(default)s)")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32",
+                   help="target dtype for features (default: %(default)s)")
+    p.add_argument("--device", type=device_name, default="cpu")
+    p.add_argument("--epochs", type=positive_int, default=4)
+    p.add_argument("--batch-size", type=positive_int, default=8, help="sequences per step over all processes")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup-steps", type=int, default=50)
+    p.add_argument("--grad-clip", type=float, default=0.5)
+    p.add_argument("--save-every", type=positive_int, default=200, metavar="STEPS")
+    p.add_argument("--mixed-precision", choices=("auto", "no", "bf16", "fp16"), default="auto",
+                   help="autocast for training (auto: bf16 on CUDA, none on CPU)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+
+
+def training_inputs(args: argparse.Namespace, request):
+    """Load the target and build (target, train set, eval set, TrainConfig) from the shared options."""
+    from specula.target import Target
+    from specula.training.loop import TrainConfig
+    from specula.training.recipe import DataOptions, feature_sets
+
+    if not args.data.is_file():
+        raise SpeculaError(f"data file not found: {args.data}")
+    target = Target.load(args.target, dtype=args.dtype, device=args.device)
+    options = DataOptions(args.data, args.cache_dir, not args.no_regenerate, args.gen_max_new_tokens,
+                          args.gen_temperature, args.gen_batch_size, args.eval_samples, args.seed)
+    train_set, eval_set = feature_sets(target, options, request, log=lambda message: print(message,
+                                                                                           file=sys.stderr))
+    config = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
+                         grad_clip=args.grad_clip, save_every=args.save_every, seed=args.seed,
+                         mixed_precision=args.mixed_precision)
+    return target, train_set, eval_set, config
+
+
+def add_train_eagle(trainers: argparse._SubParsersAction) -> None:
+    p = trainers.add_parser("eagle", help="train an EAGLE head (EAGLE-1 paper) by self-distillation",
+                            description="Train an EAGLE draft head for a target; it serves eagle and eagle2.")
+    add_data_arguments(p)
+    p.add_argument("--num-layers", type=positive_int, default=1, help="decoder layers in the head")
+    p.set_defaults(handler=run_train_eagle)
+
+
+def run_train_eagle(args: argparse.Namespace) -> int:
+    from specula.target import FeatureRequest
+    from specula.training.eagle_trainer import EagleTrainOptions, train_eagle
+
+    target, train_set, eval_set, config = training_inputs(args, FeatureRequest(final_hidden=True))
+    train_eagle(target, train_set, eval_set, args.out, config, EagleTrainOptions(num_layers=args.num_layers),
+                resume=args.resume, log=lambda message: print(message, file=sys.stderr))
+    print(f"EAGLE head written to {args.out}", file=sys.stderr)
+    return 0
+
+
+# Each entry registers one trainer on the `train` subcommand's subparsers.
+TRAINERS: list[Callable[[argparse._SubParsersAction], None]] = [add_train_eagle]
+
+
+def add_train(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("train", help="train a draft head on data the target generates itself")
+    trainers = p.add_subparsers(dest="trainer", required=True, metavar="KIND")
+    for add in TRAINERS:
+        add(trainers)
+
+
 # ---------------------------------------------------------------- entry point
 
 # Each entry registers one subcommand on the shared subparsers (train, bench, calibrate, serve, convert go here).
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_generate]
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_generate, add_train]
 
 
 def build_parser() -> ArgumentParser:

@@ -36,27 +36,28 @@ def eagle_loss(target: Target, noise: float = FEATURE_NOISE):
         inputs = features[:, :-1] + uniform_noise(batch, features.shape[-1], noise)[:, :-1]
         with torch.no_grad():
             token_embeds = embed(ids[:, 1:]).float()
-            target_probs = torch.softmax(lm_head(features[:, 1:].to(lm_head.weight.dtype)).float(), dim=-1)
         dtype = next(head.parameters()).dtype  # head may be wrapped for data parallelism
         predicted = head(inputs.to(dtype), token_embeds.to(dtype)).float()
         # Position i predicts f_{i+1}, which decides token t_{i+2}: train where that token is a response token.
         decides_response = torch.zeros_like(response[:, 1:])
         decides_response[:, :-1] = response[:, 2:]
         mask = valid[:, 1:] & (response[:, 1:] | decides_response)
-        feature_loss = F.smooth_l1_loss(predicted, features[:, 1:], reduction="none").mean(-1)
+        # Only trained positions go through the (large) LM head.
+        predicted, wanted = predicted[mask], features[:, 1:][mask]
+        with torch.no_grad():
+            target_probs = torch.softmax(lm_head(wanted.to(lm_head.weight.dtype)).float(), dim=-1)
+        feature_loss = F.smooth_l1_loss(predicted, wanted, reduction="none").mean(-1)
         head_log_probs = torch.log_softmax(lm_head(predicted.to(lm_head.weight.dtype)).float(), dim=-1)
         token_loss = -(target_probs * head_log_probs).sum(-1)
-        weight = mask.float()
-        count = weight.sum()
-        loss_sum = ((feature_loss + TOKEN_LOSS_WEIGHT * token_loss) * weight).sum()
+        count = max(int(mask.sum()), 1)
+        loss_sum = (feature_loss + TOKEN_LOSS_WEIGHT * token_loss).sum()
         with torch.no_grad():
-            agree = (head_log_probs.argmax(-1) == target_probs.argmax(-1)).float()
             metrics = {
-                "feature_loss": (feature_loss * weight).sum() / count.clamp(min=1),
-                "token_loss": (token_loss * weight).sum() / count.clamp(min=1),
-                "top1": (agree * weight).sum() / count.clamp(min=1),
+                "feature_loss": feature_loss.sum() / count,
+                "token_loss": token_loss.sum() / count,
+                "top1": (head_log_probs.argmax(-1) == target_probs.argmax(-1)).float().sum() / count,
             }
-        return loss_sum, int(count), metrics
+        return loss_sum, int(mask.sum()), metrics
 
     return loss_fn
 

@@ -1,0 +1,67 @@
+"""From a data file to the feature sets a head trainer reads: samples, features, train/eval split."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specula.errors import SpeculaError
+from specula.target import FeatureRequest, Target
+from specula.training.data import CachedFeatures, OnlineFeatures, cache_features, prepare_samples
+
+
+@dataclass
+class DataOptions:
+    """How training samples are made (see `specula.training.data`)."""
+
+    data: Path
+    cache_dir: Path | None = None
+    regenerate: bool = True  # the target writes the responses (self-distillation)
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    batch_size: int = 16
+    eval_samples: int = 32
+    seed: int = 0
+
+
+class Subset:
+    """Items ``indices`` of a dataset (a torch-style Dataset view)."""
+
+    def __init__(self, dataset, indices: list[int]):
+        self.dataset, self.indices = dataset, indices
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return self.dataset[self.indices[index]]
+
+
+def feature_sets(target: Target, options: DataOptions, request: FeatureRequest, log=print) -> tuple[Subset, Subset]:
+    """(train, eval) feature sets; eval holds ``eval_samples`` samples chosen with the seed."""
+    samples = prepare_samples(target, options.data, cache_dir=options.cache_dir,
+                              regenerate_responses=options.regenerate, max_new_tokens=options.max_new_tokens,
+                              temperature=options.temperature, batch_size=options.batch_size, seed=options.seed,
+                              log=log)
+    samples = [s for s in samples if bool(s.loss_mask.any())]
+    if len(samples) <= options.eval_samples:
+        raise SpeculaError(f"{len(samples)} samples with a response are too few to hold out "
+                           f"{options.eval_samples} for evaluation")
+    if options.cache_dir is not None:
+        features = cache_features(target, samples, Path(options.cache_dir) / _request_name(request), request, log=log)
+    else:
+        features = OnlineFeatures(target, samples, request)
+    order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(options.seed)).tolist()
+    held_out = sorted(order[: options.eval_samples])
+    kept = sorted(order[options.eval_samples:])
+    return Subset(features, kept), Subset(features, held_out)
+
+
+def _request_name(request: FeatureRequest) -> str:
+    layers = "-".join(map(str, request.layer_inputs))
+    return "features" + ("-final" if request.final_hidden else "") + (f"-layers{layers}" if layers else "")
+
+
+__all__ = ["CachedFeatures", "DataOptions", "Subset", "feature_sets"]
