@@ -106,10 +106,31 @@ def chain_acceptance(head: EagleHead, target: Target, samples, max_steps: int = 
     return [a / t if t else 0.0 for a, t in zip(accepted, tried, strict=True)]
 
 
+def eagle2_tau(head: EagleHead, target: Target, samples, max_new_tokens: int = 48) -> float:
+    """Mean tokens per cycle of greedy `eagle2` decoding from the prompts of held-out samples."""
+    import copy
+
+    from specula.decoding import generate_tokens
+    from specula.drafters.eagle import EagleDrafter
+    from specula.sampling import SamplingParams
+
+    drafter = EagleDrafter(target, copy.deepcopy(head).eval(), dynamic=True)
+    taus = []
+    for sample in samples:
+        prompt_length = int(sample["loss_mask"].long().argmax())  # the response starts at the first True
+        if prompt_length == 0:
+            continue
+        _, stats = generate_tokens(target, drafter, sample["input_ids"][:prompt_length], max_new_tokens,
+                                   SamplingParams())
+        taus.append(stats.tau)
+    return sum(taus) / len(taus) if taus else 0.0
+
+
 @dataclass(frozen=True)
 class EagleTrainOptions:
     num_layers: int = 1
-    eval_samples: int = 16
+    eval_samples: int = 16  # held-out samples for the n-alpha rates
+    tau_prompts: int = 4  # of those, prompts decoded with eagle2 for tau
 
 
 def train_eagle(target: Target, train_set, eval_set, out: Path, config: TrainConfig,
@@ -122,7 +143,9 @@ def train_eagle(target: Target, train_set, eval_set, out: Path, config: TrainCon
     def evaluate(model: EagleHead, epoch: int) -> dict:
         subset = [eval_set[i] for i in range(min(len(eval_set), options.eval_samples))]
         rates = chain_acceptance(model, target, subset)
-        return {f"{n}-alpha": round(rate, 4) for n, rate in enumerate(rates)}
+        report = {f"{n}-alpha": round(rate, 4) for n, rate in enumerate(rates)}
+        report["eagle2_tau"] = round(eagle2_tau(model, target, subset[: options.tau_prompts]), 3)
+        return report
 
     return run_training(head, train_set, eagle_loss(target), config, out,
                         save_head=lambda model, directory: model.save_pretrained(directory),

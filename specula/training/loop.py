@@ -151,7 +151,11 @@ def run_training(head: nn.Module, dataset, loss_fn: Callable, config: TrainConfi
             if state["config"] != asdict(config):
                 raise SpeculaError("the checkpoint was written with other training settings; "
                                    "resume with the same settings or start a new --out")
-            head.load_state_dict(state["head"])
+            try:
+                head.load_state_dict(state["head"])
+            except RuntimeError as err:
+                raise SpeculaError(f"the checkpoint in {checkpointer.path} holds a head of another shape "
+                                   f"({str(err).splitlines()[-1].strip()}); start a new --out") from err
             optimizer.load_state_dict(state["optimizer"])
             scheduler.load_state_dict(state["scheduler"])
             step, history = state["step"], state["history"]
