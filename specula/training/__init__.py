@@ -1,0 +1,1 @@
+"""Training draft heads on data the target generates itself."""

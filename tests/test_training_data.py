@@ -1,0 +1,284 @@
+"""Training data: record formats, loss masks, self-distillation, the feature cache and its resume."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import STORIES, STORY_PROMPTS
+
+import specula
+from specula.errors import SpeculaError
+from specula.target import FeatureRequest, Target
+from specula.training import data
+from specula.training.data import (
+    CachedFeatures,
+    TrainingRecord,
+    build_samples,
+    cache_features,
+    prepare_samples,
+    read_records,
+    regenerate,
+)
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'assistant' %}Bot: {{ m['content'] }}{{ eos_token }}\n"
+    "{% else %}User: {{ m['content'] }}\n{% endif %}{% endfor %}{% if add_generation_prompt %}Bot:{% endif %}"
+)
+REQUEST = FeatureRequest(final_hidden=True, layer_inputs=(0, 3))
+
+
+@pytest.fixture(scope="module")
+def target() -> Target:
+    return Target.load(STORIES, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def chat_target() -> Target:
+    """stories260k with a chat template on its (own copy of the) tokenizer."""
+    chat = Target.load(STORIES, dtype="float32")
+    chat.tokenizer.chat_template = CHAT_TEMPLATE
+    return chat
+
+
+def write_jsonl(path, rows) -> None:
+    path.write_text("".join((row if isinstance(row, str) else json.dumps(row)) + "\n" for row in rows))
+
+
+def runs(mask: torch.Tensor) -> list[tuple[int, int]]:
+    """[start, end) of each run of True in ``mask``."""
+    found, start = [], None
+    for i, value in enumerate([*mask.tolist(), False]):
+        if value and start is None:
+            start = i
+        elif not value and start is not None:
+            found.append((start, i))
+            start = None
+    return found
+
+
+def test_reader_accepts_each_format(tmp_path):
+    file = tmp_path / "data.jsonl"
+    write_jsonl(file, [
+        {"conversations": [{"from": "gpt", "value": "dropped opener"}, {"from": "system", "value": "Be brief."},
+                           {"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello."}]},
+        {"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]},
+        "",
+        {"prompt": "def f(x):\n"},
+        {"prompt": "Once upon a time", "response": " there was a cat."},
+        {"text": "Tom and his dog went to the park."},
+    ])
+    records = read_records(file)
+    assert [r.messages for r in records[:4]] == [
+        (("system", "Be brief."), ("user", "Hi"), ("assistant", "Hello.")),
+        (("user", "Q"), ("assistant", "A")),
+        (("user", "def f(x):\n"),),
+        (("user", "Once upon a time"), ("assistant", " there was a cat.")),
+    ]
+    assert records[4].text == "Tom and his dog went to the park." and records[4].messages == ()
+    assert records[3].source.endswith("line 5")
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("{not json", "not valid JSON"),
+    ("[1, 2]", "expected a JSON object"),
+    ('{"question": "x"}', "unknown record format"),
+    ('{"prompt": ""}', "'prompt' is empty"),
+    ('{"prompt": "x", "response": 3}', "'response' must be a string"),
+    ('{"text": "   "}', "'text' is empty"),
+    ('{"conversations": []}', "non-empty list"),
+    ('{"conversations": [{"from": "robot", "value": "x"}]}', "speaker 'robot'"),
+    ('{"conversations": [{"from": "human", "value": ""}]}', "turn 0 value is empty"),
+    ('{"conversations": [{"from": "gpt", "value": "only the model"}]}', "no human/user turn"),
+])
+def test_reader_rejects_malformed_lines_naming_the_line(tmp_path, bad, message):
+    file = tmp_path / "data.jsonl"
+    write_jsonl(file, [{"prompt": "fine"}, bad])
+    with pytest.raises(SpeculaError, match=f"data.jsonl, line 2: .*{message}"):
+        read_records(file)
+
+
+def test_reader_rejects_empty_and_missing_files(tmp_path):
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    with pytest.raises(SpeculaError, match="holds no records"):
+        read_records(tmp_path / "empty.jsonl")
+    with pytest.raises(SpeculaError, match="not found"):
+        read_records(tmp_path / "missing.jsonl")
+
+
+def test_loss_mask_of_a_prompt_record_is_exactly_the_response(target):
+    tokenizer = target.tokenizer
+    record = TrainingRecord((("user", "Once upon a time"), ("assistant", " there was a cat.")))
+    [sample] = build_samples([record], tokenizer)
+    prompt = tokenizer("Once upon a time").input_ids
+    response = tokenizer(" there was a cat.", add_special_tokens=False).input_ids
+    assert sample.input_ids.tolist() == prompt + response
+    assert sample.loss_mask.tolist() == [False] * len(prompt) + [True] * len(response)
+    # A text record without regeneration is trained on whole (all but the BOS the tokenizer adds).
+    [text] = build_samples([TrainingRecord(text="Tom and his dog went to the park.")], tokenizer)
+    assert text.input_ids[0] == tokenizer.bos_token_id and text.loss_mask.tolist() == [False] + [True] * (
+        len(text.input_ids) - 1)
+    assert torch.equal(prepare_samples(target, [record], regenerate=False, log=None)[0].loss_mask, sample.loss_mask)
+    with pytest.raises(SpeculaError, match="no response to train on"):
+        build_samples([TrainingRecord((("user", "no reply"),), source="x.jsonl, line 7")], tokenizer)
+
+
+def test_loss_mask_of_a_multi_turn_conversation_with_a_chat_template(chat_target):
+    tokenizer = chat_target.tokenizer
+    replies = ["Hello there.", "The cat sat on the mat."]
+    record = TrainingRecord((("system", "Be kind."), ("user", "Hi"), ("assistant", replies[0]),
+                             ("user", "Tell a story"), ("assistant", replies[1])))
+    [sample] = build_samples([record], tokenizer)
+    text = tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in record.messages], tokenize=False)
+    assert sample.input_ids.tolist() == tokenizer(text, add_special_tokens=False).input_ids
+    # Exactly the two replies, each with the end-of-turn marker the template puts after it.
+    spans = runs(sample.loss_mask)
+    assert len(spans) == 2
+    for (start, end), reply in zip(spans, replies, strict=True):
+        expected = tokenizer(" " + reply, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+        assert sample.input_ids[start:end].tolist() == expected
+
+
+def test_regeneration_is_the_targets_own_greedy_continuation(target, monkeypatch):
+    prompts = [STORY_PROMPTS[0], STORY_PROMPTS[1], STORY_PROMPTS[15]]  # different lengths: left padding
+    records = [TrainingRecord((("user", p),)) for p in prompts]
+    speculator = specula.load(STORIES, method="vanilla", dtype="float32")
+
+    def check(max_new_tokens: int, reference) -> list[list[int]]:
+        samples = regenerate(target, records, max_new_tokens=max_new_tokens, batch_size=3, progress=False)
+        replies = []
+        for prompt, sample in zip(prompts, samples, strict=True):
+            prompt_ids = target.tokenizer(prompt).input_ids
+            expected = reference(prompt_ids, max_new_tokens)
+            assert sample.input_ids.tolist() == prompt_ids + expected
+            assert sample.loss_mask.tolist() == [False] * len(prompt_ids) + [True] * len(expected)
+            replies.append(expected)
+        return replies
+
+    # Batched with left padding == specula's own runtime, one prompt at a time.
+    replies = check(24, lambda ids, n: speculator.generate(ids, max_new_tokens=n).token_ids)
+    # Greedy stories260k never ends a story within its context: make a token it writes early the EOS,
+    # so that one row stops (EOS kept, nothing after it) while the others go on past it; the
+    # reference is `transformers` generate on each prompt alone (no padding).
+    monkeypatch.setattr(target, "eos_token_ids", {replies[1][5]})
+    stopped = check(24, lambda ids, n: data.generate_batch(target, [ids], n)[0])
+    assert len(stopped[1]) == 6 and stopped[1][-1] == replies[1][5]
+    assert max(len(r) for r in stopped) > 6
+
+
+def test_regeneration_of_text_conversations_and_sampling(target, chat_target):
+    text = "Tom and his dog went to the park. They played with a ball all day long."
+    [sample] = regenerate(target, [TrainingRecord(text=text)], max_new_tokens=8, progress=False)
+    ids = target.tokenizer(text).input_ids
+    assert sample.input_ids.tolist()[: len(ids) // 2] == ids[: len(ids) // 2]
+    assert int(sample.loss_mask.sum()) == len(sample.input_ids) - len(ids) // 2
+    # Sampling is deterministic for a seed.
+    records = [TrainingRecord((("user", p),)) for p in STORY_PROMPTS[:4]]
+    first = regenerate(target, records, max_new_tokens=12, temperature=1.0, batch_size=2, seed=5, progress=False)
+    again = regenerate(target, records, max_new_tokens=12, temperature=1.0, batch_size=2, seed=5, progress=False)
+    assert all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(first, again, strict=True))
+    # A conversation is regenerated turn by turn; every assistant turn is in the loss.
+    conversation = TrainingRecord((("user", "Hi"), ("assistant", "old reply"), ("user", "Tell a story")))
+    [chat] = regenerate(chat_target, [conversation], max_new_tokens=10, progress=False)
+    spans = runs(chat.loss_mask)
+    assert len(spans) == 2 and spans[-1][1] == len(chat.input_ids)
+    assert "old reply" not in chat_target.tokenizer.decode(chat.input_ids)
+
+
+def test_feature_cache_round_trip_and_resume(target, tmp_path, monkeypatch):
+    records = [TrainingRecord((("user", p), ("assistant", " and they were happy."))) for p in STORY_PROMPTS[:5]]
+    samples = build_samples(records, target.tokenizer)
+    cache = cache_features(target, samples, tmp_path, REQUEST, shard_size=2, progress=False, log=None)
+    assert len(cache) == 5 and len(list(tmp_path.glob("features-*.safetensors"))) == 3
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["complete"] and manifest["num_samples"] == 5 and manifest["dtype"] == "float32"
+    for i, sample in enumerate(samples):
+        out = target.prefill(sample.input_ids, REQUEST)
+        item = cache[i]
+        assert torch.equal(item["input_ids"], sample.input_ids) and torch.equal(item["loss_mask"], sample.loss_mask)
+        assert torch.equal(item["hidden"], out.hidden)
+        assert torch.equal(item["layer_inputs"], torch.stack([out.layer_inputs[0], out.layer_inputs[3]], 1))
+    assert torch.equal(cache[-1]["input_ids"], samples[-1].input_ids)
+
+    # Resume: only the missing shard is computed again; the others are not rewritten.
+    calls = []
+    prefill = target.prefill
+    monkeypatch.setattr(target, "prefill", lambda ids, request: calls.append(len(ids)) or prefill(ids, request))
+    kept = {p.name: p.stat().st_mtime_ns for p in tmp_path.glob("features-*.safetensors")}
+    (tmp_path / "features-00001.safetensors").unlink()
+    cache = cache_features(target, samples, tmp_path, REQUEST, shard_size=2, progress=False, log=None)
+    assert calls == [len(samples[2].input_ids), len(samples[3].input_ids)]
+    for name in ("features-00000.safetensors", "features-00002.safetensors"):
+        assert (tmp_path / name).stat().st_mtime_ns == kept[name]
+    assert torch.equal(cache[3]["hidden"], prefill(samples[3].input_ids, REQUEST).hidden)
+
+    # An interrupted run leaves an incomplete cache (refused for reading) that the next run finishes.
+    fresh = tmp_path / "interrupted"
+    calls.clear()
+
+    def failing(ids, request):
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        calls.append(len(ids))
+        return prefill(ids, request)
+
+    monkeypatch.setattr(target, "prefill", failing)
+    with pytest.raises(KeyboardInterrupt):
+        cache_features(target, samples, fresh, REQUEST, shard_size=2, progress=False, log=None)
+    assert sorted(p.name for p in fresh.glob("features-*")) == ["features-00000.safetensors"]
+    with pytest.raises(SpeculaError, match="incomplete"):
+        CachedFeatures(fresh)
+    monkeypatch.setattr(target, "prefill", lambda ids, request: calls.append(len(ids)) or prefill(ids, request))
+    calls.clear()
+    cache = cache_features(target, samples, fresh, REQUEST, shard_size=2, progress=False, log=None)
+    assert len(calls) == 3 and torch.equal(cache[4]["hidden"], prefill(samples[4].input_ids, REQUEST).hidden)
+
+
+def test_a_cache_built_for_other_settings_is_refused(target, tmp_path):
+    records = [TrainingRecord((("user", p),)) for p in STORY_PROMPTS[:3]]
+    samples = prepare_samples(target, records, cache_dir=tmp_path, max_new_tokens=6, batch_size=2, progress=False,
+                              log=None)
+    again = prepare_samples(target, records, cache_dir=tmp_path, max_new_tokens=6, batch_size=2, progress=False,
+                            log=None)
+    assert all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(samples, again, strict=True))
+    with pytest.raises(SpeculaError, match=r"other settings \(max_new_tokens: 6 -> 7\)"):
+        prepare_samples(target, records, cache_dir=tmp_path, max_new_tokens=7, batch_size=2, progress=False)
+    with pytest.raises(SpeculaError, match="other data"):
+        prepare_samples(target, records[:2], cache_dir=tmp_path, max_new_tokens=6, batch_size=2, progress=False)
+
+    cache_features(target, samples, tmp_path, REQUEST, shard_size=2, progress=False, log=None)
+    with pytest.raises(SpeculaError, match="other request"):
+        cache_features(target, samples, tmp_path, FeatureRequest(final_hidden=True), shard_size=2, progress=False)
+    with pytest.raises(SpeculaError, match="other samples"):
+        cache_features(target, samples[:2], tmp_path, REQUEST, shard_size=2, progress=False)
+    other = Target.load(STORIES, dtype="bfloat16")
+    with pytest.raises(SpeculaError, match="other target"):
+        cache_features(other, samples, tmp_path, REQUEST, shard_size=2, progress=False)
+    with pytest.raises(SpeculaError, match="another target"):
+        CachedFeatures(tmp_path, target=other)
+
+
+def test_interrupted_regeneration_resumes_from_its_journal(target, tmp_path, monkeypatch):
+    records = [TrainingRecord((("user", p),)) for p in STORY_PROMPTS[:6]]
+    settings = dict(max_new_tokens=8, temperature=1.0, batch_size=2, seed=3, progress=False, log=None)
+    reference = prepare_samples(target, records, **settings)
+    generated = []
+    original = data.generate_batch
+
+    def interrupted(*args, **kwargs):
+        if len(generated) == 2:
+            raise KeyboardInterrupt
+        generated.append(args[1])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(data, "generate_batch", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        prepare_samples(target, records, cache_dir=tmp_path, **settings)
+    assert not (tmp_path / "samples.pt").exists()
+    monkeypatch.setattr(data, "generate_batch", lambda *a, **k: generated.append(a[1]) or original(*a, **k))
+    generated.clear()
+    samples = prepare_samples(target, records, cache_dir=tmp_path, **settings)
+    assert len(generated) == 1  # two of the three batches came from the journal
+    assert all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(samples, reference, strict=True))
+    assert not (tmp_path / "samples.journal.jsonl").exists()
