@@ -185,6 +185,7 @@ def _atomic_write(path: Path, write) -> None:
     os.close(handle)
     try:
         write(tmp)
+        os.chmod(tmp, 0o644)  # mkstemp makes files private; checkpoints are meant to be shared
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
