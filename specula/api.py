@@ -15,7 +15,10 @@ from specula.errors import SpeculaError
 from specula.sampling import SamplingParams
 from specula.target import Target
 
-DEFAULT_TARGET = Path(__file__).resolve().parent.parent / "models" / "pycoder-25m"
+MODELS = Path(__file__).resolve().parent.parent / "models"
+DEFAULT_TARGET = MODELS / "pycoder-25m"
+# Heads trained for the bundled target, used when no --draft is given for it.
+DEFAULT_HEADS = {"eagle": MODELS / "eagle-pycoder-25m", "eagle2": MODELS / "eagle-pycoder-25m"}
 
 
 @dataclass
@@ -92,9 +95,12 @@ def load(target: str | Path = DEFAULT_TARGET, method: str = "vanilla", draft: st
          dtype: str = "auto", device: str = "cpu", max_length: int | None = None, **options: Any) -> Speculator:
     """Load a local Hugging Face causal LM and a drafting method.
 
-    method: one of vanilla, sps, pld (more as they land); ``draft`` is the draft model
-    directory for sps. ``options`` go to the drafter (e.g. ``num_tokens=5`` for sps and pld).
+    method: vanilla, sps, pld, eagle, eagle2; ``draft`` is the draft model directory for sps or
+    the head directory for eagle/eagle2 (the bundled target's own head when omitted for it).
+    ``options`` go to the drafter (e.g. ``num_tokens=5`` for sps and pld, ``total_tokens=10`` for eagle2).
     """
     target_model = Target.load(target, dtype=dtype, device=device, max_length=max_length)
+    if draft is None and method in DEFAULT_HEADS and Path(target).resolve() == DEFAULT_TARGET:
+        draft = DEFAULT_HEADS[method]
     drafter = build_drafter(method, target_model, None if draft is None else str(draft), dtype=dtype, **options)
     return Speculator(target_model, method, drafter)

@@ -42,7 +42,7 @@ class Subset:
 def feature_sets(target: Target, options: DataOptions, request: FeatureRequest, log=print) -> tuple[Subset, Subset]:
     """(train, eval) feature sets; eval holds ``eval_samples`` samples chosen with the seed."""
     samples = prepare_samples(target, options.data, cache_dir=options.cache_dir,
-                              regenerate_responses=options.regenerate, max_new_tokens=options.max_new_tokens,
+                              regenerate=options.regenerate, max_new_tokens=options.max_new_tokens,
                               temperature=options.temperature, batch_size=options.batch_size, seed=options.seed,
                               log=log)
     samples = [s for s in samples if bool(s.loss_mask.any())]
