@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NoReturn
 
+from specula.bench.cli import add_bench_parser, add_calibrate_parser
 from specula.errors import SpeculaError
 
 PROG = "specula"
@@ -256,7 +257,9 @@ def add_train(subparsers: argparse._SubParsersAction) -> None:
 # ---------------------------------------------------------------- entry point
 
 # Each entry registers one subcommand on the shared subparsers (train, bench, calibrate, serve, convert go here).
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_generate, add_train]
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
+    add_generate, add_train, add_bench_parser, add_calibrate_parser,
+]
 
 
 def build_parser() -> ArgumentParser:

@@ -41,15 +41,19 @@ class DraftModelDrafter:
         self.context_length = 0  # length of the context of the last proposal
 
     def start(self, prompt: torch.Tensor, target_out: ForwardOutput) -> None:
-        self.draft.prefill(prompt)
-        self.seen = prompt.tolist()
+        # A draft with a shorter context than the target's drafts only while the text fits it.
+        self.draft.reset()
+        self.seen = []
+        if len(prompt) < self.draft.max_length:
+            self.draft.prefill(prompt)
+            self.seen = prompt.tolist()
 
     def propose(self, context: torch.Tensor, max_depth: int, params: SamplingParams,
                 generator: torch.Generator | None) -> DraftTree:
         root = int(context[-1])
         self.context_length = len(context)
         depth = min(self.num_tokens, max_depth, self.draft.max_length - len(context))
-        if depth <= 0:
+        if depth <= 0 or not self.seen:
             return DraftTree.root_only(root, device=context.device)
         pending = context[len(self.seen):]  # committed text the draft has not processed, ending in the root
         logits = self._extend(pending)

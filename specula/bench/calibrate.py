@@ -1,0 +1,280 @@
+"""`specula calibrate`: measure α, c and the verification cost on this machine, predict, and save a profile.
+
+1. The target's verification cost: time of one forward over n tokens after a
+   real prompt, n = 1, 2, 4, ..., 128 (median of a few repeats).
+2. The method and vanilla decode a few prompts, interleaved. From the method's
+   draft trees: α (accepted over tried draft tokens), the acceptance rate of a
+   child by its rank among its siblings, the mean draft depth γ and the time of
+   one draft step; c = draft step / target step.
+3. The lecture's predictions (`specula.bench.theory`): expected tokens per
+   cycle, expected improvement factor, best γ for chains; a hardware-aware
+   factor that uses the measured verification cost; for trees the node budget
+   and depth that maximise predicted tokens/s. Predicted and measured speedups
+   are printed side by side like the lecture's Table 4.
+4. The profile (`specula.bench.profile`) gets the measurements and the
+   recommended drafter options of this method.
+"""
+
+from __future__ import annotations
+
+import inspect
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specula.bench import theory
+from specula.bench.metrics import depth_counts, pooled_alpha
+from specula.bench.runners import RecordingDrafter, accepted_path
+from specula.errors import SpeculaError
+from specula.sampling import SamplingParams
+
+VERIFY_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+@dataclass
+class CalibrationOptions:
+    target: str
+    method: str
+    draft: str | None = None
+    options: dict | None = None
+    prompts: list[str] | None = None
+    max_new_tokens: int = 64
+    max_prompt_tokens: int = 256
+    temperature: float = 0.0
+    dtype: str = "auto"
+    device: str = "cpu"
+    threads: int | None = None
+    repeats: int = 5
+    max_nodes: int = 128
+    seed: int = 0
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_verify_curve(target, prefix: list[int], sizes=VERIFY_SIZES, repeats: int = 5) -> dict[int, float]:
+    """{n: median seconds of one target forward over n tokens after ``prefix``}; sizes that do not fit are skipped."""
+    device = target.device
+    target.prefill(torch.tensor(prefix, dtype=torch.long, device=device))
+    curve = {}
+    for n in sizes:
+        if len(prefix) + n > target.max_length:
+            break
+        tokens = torch.tensor([prefix[i % len(prefix)] for i in range(n)], dtype=torch.long, device=device)
+        mask = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+        times = []
+        for r in range(repeats + 1):
+            _sync(device)
+            start = time.perf_counter()
+            target.forward(tokens, mask)
+            _sync(device)
+            if r:  # the first is a warm-up
+                times.append(time.perf_counter() - start)
+            target.commit([])  # keep nothing: the prefix stays as it was
+        curve[n] = statistics.median(times)
+    return curve
+
+
+def tree_statistics(cycles) -> dict:
+    """α, acceptance by sibling rank, mean draft depth and size from (tree, accepted ids) cycles."""
+    accepted_lengths, tried_next, depths, sizes = [], [], [], []
+    groups, rank_hits = 0, []
+    for tree, accepted in cycles:
+        path, children = accepted_path(tree, accepted)
+        for parent in path:
+            siblings = children.get(parent, [])
+            if not siblings:
+                continue
+            groups += 1
+            hit = next((rank for rank, c in enumerate(siblings) if c in path), None)
+            if hit is not None:
+                rank_hits += [0] * (hit + 1 - len(rank_hits))
+                rank_hits[hit] += 1
+        accepted_lengths.append(len(path) - 1)
+        tried_next.append(bool(children.get(path[-1])))
+        depths.append(max(tree.depths))
+        sizes.append(len(tree) - 1)
+    tried, hits = depth_counts(accepted_lengths, tried_next)
+    return {
+        "alpha": pooled_alpha(tried, hits),
+        "acceptance_by_depth": [h / t if t else None for t, h in zip(tried, hits, strict=True)],
+        "rank_acceptance": [h / groups for h in rank_hits] if groups else [],
+        "mean_depth": statistics.fmean(depths) if depths else 0.0,
+        "total_depth": sum(depths),
+        "mean_nodes": statistics.fmean(sizes) if sizes else 0.0,
+        "chains_only": all(d == s for d, s in zip(depths, sizes, strict=True)),
+    }
+
+
+def _drafter_takes(drafter, *names: str) -> bool:
+    try:
+        parameters = inspect.signature(type(drafter).__init__).parameters
+    except (TypeError, ValueError):
+        return False
+    return all(name in parameters for name in names)
+
+
+def recommended_options(drafter, best_gamma: int | None, best_tree: dict | None, chains_only: bool) -> dict:
+    """The drafter options the profile should carry for this method (only those its drafter accepts)."""
+    if chains_only and best_gamma and _drafter_takes(drafter, "num_tokens"):
+        return {"num_tokens": best_gamma}
+    if (best_tree and best_tree.get("nodes") and getattr(drafter, "dynamic", True)
+            and _drafter_takes(drafter, "total_tokens", "depth", "top_k")):
+        return {"total_tokens": best_tree["nodes"], "depth": best_tree["depth"], "top_k": best_tree["top_k"]}
+    return {}
+
+
+def calibrate(opts: CalibrationOptions, log=lambda message: None) -> dict:
+    """Measure and predict; returns the profile (without writing it)."""
+    from specula.api import DEFAULT_HEADS, DEFAULT_TARGET
+    from specula.decoding import generate_tokens
+    from specula.drafters import build_drafter
+    from specula.drafters.vanilla import VanillaDrafter
+    from specula.target import Target
+
+    if not opts.prompts:
+        raise SpeculaError("calibration needs at least one prompt")
+    params = SamplingParams(opts.temperature)
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    target = Target.load(opts.target, dtype=opts.dtype, device=opts.device)
+    draft = opts.draft
+    if draft is None and opts.method in DEFAULT_HEADS and Path(opts.target).resolve() == DEFAULT_TARGET:
+        draft = str(DEFAULT_HEADS[opts.method])
+    try:
+        inner = build_drafter(opts.method, target, draft, dtype=opts.dtype, **(opts.options or {}))
+    except TypeError as err:
+        raise SpeculaError(f"method {opts.method}: {err}") from err
+    drafter = RecordingDrafter(inner)
+    vanilla = VanillaDrafter()
+    budget = max(1, min(opts.max_prompt_tokens, target.max_length - opts.max_new_tokens - max(VERIFY_SIZES) - 1))
+    prompts = []
+    for text in opts.prompts:
+        ids = target.tokenizer(text, verbose=False).input_ids[-budget:]
+        if ids:
+            prompts.append(ids)
+    if not prompts:
+        raise SpeculaError("the calibration prompts are empty after tokenization")
+
+    log(f"measuring verification cost of {target.name} for {', '.join(map(str, VERIFY_SIZES))} tokens")
+    curve = measure_verify_curve(target, prompts[0], VERIFY_SIZES, opts.repeats)
+    step = curve[1]
+
+    log(f"decoding {len(prompts)} prompts with vanilla and {opts.method}")
+    first = torch.tensor(prompts[0], device=target.device)
+    generate_tokens(target, vanilla, first, min(8, opts.max_new_tokens), params, opts.seed)  # warm-up
+    generate_tokens(target, drafter, first, min(8, opts.max_new_tokens), params, opts.seed)
+    rates = {"vanilla": [], "method": []}
+    cycles, draft_time, new_tokens, target_cycles = [], 0.0, 0, 0
+    for i, ids in enumerate(prompts):
+        ids = torch.tensor(ids, device=target.device)
+        for name, d in (("vanilla", vanilla), ("method", drafter)):
+            _sync(target.device)
+            start = time.perf_counter()
+            tokens, stats = generate_tokens(target, d, ids, opts.max_new_tokens, params, opts.seed + i)
+            _sync(target.device)
+            rates[name].append(len(tokens) / (time.perf_counter() - start))
+            if name == "method":
+                cycles += drafter.cycles
+                draft_time += stats.draft_time
+                new_tokens += stats.new_tokens
+                target_cycles += stats.cycles
+    trees = tree_statistics(cycles)
+    alpha = trees["alpha"] or 0.0
+    draft_step = draft_time / trees["total_depth"] if trees["total_depth"] else 0.0
+    c = draft_step / step
+    gamma = trees["mean_depth"]
+    measured = statistics.fmean(rates["method"]) / statistics.fmean(rates["vanilla"])
+    nodes_verified = trees["mean_nodes"] + 1
+    verify_ratio = theory.verify_cost(curve, round(nodes_verified)) / step
+    chains = trees["chains_only"] and gamma > 0
+    expected = theory.expected_tokens(alpha, gamma) if chains else None
+    if not chains and trees["rank_acceptance"]:
+        plan = theory.tree_plan(trees["rank_acceptance"], round(trees["mean_nodes"]), max(1, round(gamma)))
+        expected = plan["expected_tokens"]
+    predicted_lecture = theory.improvement_factor(alpha, gamma, c) if chains else None
+    predicted_hw = expected / (gamma * c + verify_ratio) if expected is not None else None
+    best_gamma = theory.best_gamma(alpha, c, curve) if chains else None
+    best_tree = (theory.best_tree(trees["rank_acceptance"], draft_step, curve, opts.max_nodes)
+                 if trees["rank_acceptance"] else None)
+    gamma_table = [
+        {"gamma": g, "expected_tokens": theory.expected_tokens(alpha, g),
+         "improvement": theory.improvement_factor(alpha, g, c),
+         "hardware_improvement": theory.hardware_improvement(alpha, g, c, curve)}
+        for g in range(1, 13)
+    ] if chains else []
+    entry = {
+        "draft": draft, "options": opts.options or {}, "temperature": opts.temperature, "prompts": len(prompts),
+        "max_new_tokens": opts.max_new_tokens, "alpha": alpha, "acceptance_by_depth": trees["acceptance_by_depth"],
+        "rank_acceptance": trees["rank_acceptance"], "gamma": gamma, "mean_nodes": trees["mean_nodes"],
+        "draft_step_s": draft_step, "c": c, "tau": new_tokens / target_cycles if target_cycles else None,
+        "expected_tokens": expected, "predicted_speedup_lecture": predicted_lecture,
+        "predicted_speedup_hardware": predicted_hw, "measured_speedup": measured,
+        "vanilla_tokens_per_s": statistics.fmean(rates["vanilla"]),
+        "method_tokens_per_s": statistics.fmean(rates["method"]),
+        "chain": chains, "gamma_table": gamma_table, "best_gamma": best_gamma, "best_tree": best_tree,
+        "defaults": recommended_options(inner, best_gamma, best_tree, chains),
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    return {
+        "target": target.name, "target_path": str(opts.target), "device": str(target.device.type),
+        "dtype": str(target.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
+        "torch": torch.__version__, "target_step_s": step,
+        "verify_cost_s": {str(n): t for n, t in curve.items()},
+        "methods": {opts.method: entry},
+    }
+
+
+def format_report(profile: dict, method: str) -> str:
+    """The human-readable calibration summary."""
+    e = profile["methods"][method]
+    curve = {int(n): t for n, t in profile["verify_cost_s"].items()}
+    step = profile["target_step_s"]
+
+    def f(value, fmt=".2f"):
+        return "–" if value is None else f"{value:{fmt}}"
+
+    lines = [
+        f"target {profile['target']} ({profile['dtype']}, {profile['device']}, {profile['threads']} threads): "
+        f"one target step {step * 1e3:.2f} ms",
+        "verification cost v(n)/v(1): " + ", ".join(f"{n}: {t / step:.2f}" for n, t in sorted(curve.items())),
+        f"method {method}: α {f(e['alpha'])}, mean draft depth γ {f(e['gamma'])}, {f(e['mean_nodes'], '.1f')} nodes "
+        f"per draft, draft step {e['draft_step_s'] * 1e3:.3f} ms, c {f(e['c'], '.3f')}",
+        "acceptance by depth: " + ", ".join(f"{a:.2f}" if a is not None else "–"
+                                            for a in e["acceptance_by_depth"][:8]),
+        "acceptance by sibling rank: " + ", ".join(f"{a:.2f}" for a in e["rank_acceptance"][:8]),
+        "",
+        "expected vs measured (cf. the lecture's Table 4):",
+        "| method | T | γ | α | c | E[tokens/cycle] | τ measured | EXP lecture | EXP hardware | EMP |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+        f"| {method} | {e['temperature']:g} | {f(e['gamma'])} | {f(e['alpha'])} | {f(e['c'], '.3f')} | "
+        f"{f(e['expected_tokens'])} | {f(e['tau'])} | {f(e['predicted_speedup_lecture'])} | "
+        f"{f(e['predicted_speedup_hardware'])} | {f(e['measured_speedup'])} |",
+        "",
+        "EXP lecture = (1 − α^(γ+1)) / ((1 − α)(γc + 1)); EXP hardware replaces the 1 (one target step to "
+        "verify) by the measured v(nodes + 1)/v(1); EMP = measured tokens/s over vanilla's on the same prompts.",
+    ]
+    if e["gamma_table"]:
+        lines += ["", "| γ | E[tokens/cycle] | EXP lecture | EXP hardware |", "|---|---|---|---|"]
+        lines += [f"| {row['gamma']} | {row['expected_tokens']:.2f} | {row['improvement']:.2f} | "
+                  f"{row['hardware_improvement']:.2f} |" for row in e["gamma_table"]]
+        best = max(row["hardware_improvement"] for row in e["gamma_table"])
+        lines.append(f"best γ for chains on this machine: {e['best_gamma']}"
+                     + ("" if best >= 1 else f" (but even it is predicted slower than vanilla: {best:.2f}×)"))
+    tree = e.get("best_tree")
+    if tree and not e["chain"]:
+        if tree["nodes"]:
+            lines.append(
+                f"best tree (position-only model, measured verify cost): {tree['nodes']} nodes, depth "
+                f"{tree['depth']}, top-k {tree['top_k']}: {tree['expected_tokens']:.2f} tokens/cycle, predicted "
+                f"speedup {tree['predicted_speedup']:.2f}")
+        else:
+            lines.append("best tree (position-only model, measured verify cost): none; every draft budget is "
+                         "predicted slower than vanilla on this machine")
+    lines.append("recommended options: " + (", ".join(f"{k}={v}" for k, v in e["defaults"].items()) or "none"))
+    return "\n".join(lines)

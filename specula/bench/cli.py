@@ -1,0 +1,273 @@
+"""The `bench` and `calibrate` subcommands, registered on `specula`'s subparsers by `specula.cli`.
+
+    from specula.bench.cli import add_bench_parser, add_calibrate_parser
+    SUBCOMMANDS = [add_generate, add_train, add_bench_parser, add_calibrate_parser]
+
+Each sets ``handler`` to a function of the parsed arguments returning the exit
+status; bad input raises SpeculaError (one ``specula: error:`` line, exit 2).
+Helpers from `specula.cli` are imported when the parsers are built, so
+`specula.cli` may import this module at its top.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+from specula.errors import SpeculaError
+
+DEFAULT_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "pycode" / "eval.jsonl"
+
+
+def _split(value) -> list[str]:
+    """A comma-separated string or a list (from a config) as a list of non-empty strings."""
+    if value is None:
+        return []
+    items = value if isinstance(value, list) else str(value).split(",")
+    return [str(item).strip() for item in items if str(item).strip()]
+
+
+def _floats(value, name: str) -> list[float]:
+    items = value if isinstance(value, list) else _split(value)
+    try:
+        return [float(v) for v in items]
+    except (TypeError, ValueError) as err:
+        raise SpeculaError(f"{name} must be numbers, got {value!r}") from err
+
+
+def _int(value, name: str, minimum: int | None = 1) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise SpeculaError(f"{name} must be a whole number, got {value!r}")
+    try:
+        number = int(value)
+    except ValueError as err:
+        raise SpeculaError(f"{name} must be a whole number, got {value!r}") from err
+    if minimum is not None and number < minimum:
+        raise SpeculaError(f"{name} must be >= {minimum}, got {number}")
+    return number
+
+
+# ---------------------------------------------------------------- bench
+
+
+def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
+    from specula.cli import DTYPE_CHOICES, device_name, positive_int
+
+    p = subparsers.add_parser(
+        "bench", help="Spec-Bench-style benchmark: methods side by side, tables and plots",
+        description="Run methods side by side on question sets (one model load, warm-up, questions interleaved "
+                    "across methods) and write results.json, results.md and plots to --out. Rerun the same "
+                    "command to resume. Options may also come from a TOML/JSON --config ([bench] and "
+                    "[methods.LABEL] tables); the command line wins.")
+    p.add_argument("--config", type=Path, metavar="FILE", help="TOML (or .json) file with [bench] and [methods.*]")
+    p.add_argument("--target", metavar="DIR", help="target model directory (default: the bundled pycoder-25m)")
+    p.add_argument("--methods", metavar="LIST",
+                   help="comma-separated method labels: our methods (vanilla, sps, pld, eagle, eagle2, ...) and "
+                        "transformers baselines hf, hf_assisted, hf_pld; a label may name any method via its "
+                        "config table")
+    p.add_argument("--option", action="append", default=[], metavar="LABEL.KEY=VALUE",
+                   help="a method option, e.g. sps.draft=../shared/models/llama2xs or eagle2.total_tokens=16 "
+                        "(repeatable; overrides the config)")
+    p.add_argument("--data", metavar="FILES", help=f"comma-separated question files (JSONL or .jsonl.gz with "
+                                                   f"turns, prompt or text; default {DEFAULT_DATA})")
+    p.add_argument("--category", metavar="LIST", help="only these categories (or MT-bench subcategories)")
+    p.add_argument("--limit", type=positive_int, metavar="N", help="at most N questions per category and file")
+    p.add_argument("--temperature", metavar="LIST", help="one or more temperatures, e.g. 0,1 (default: 0)")
+    p.add_argument("--top-p", type=float, metavar="P", help="(default: 1.0)")
+    p.add_argument("--top-k", type=int, metavar="K", help="0 disables top-k (default: 0, also for transformers)")
+    p.add_argument("--max-new-tokens", type=positive_int, metavar="N", help="per turn (default: 128)")
+    p.add_argument("--max-prompt-tokens", type=positive_int, metavar="N",
+                   help="keep only the last N prompt tokens (default: what fits the context)")
+    p.add_argument("--seed", type=int, metavar="S", help="base seed for sampling (default: 0)")
+    p.add_argument("--out", type=Path, metavar="DIR", help="output directory (resumes from its results.json)")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, help="(default: auto, as stored)")
+    p.add_argument("--device", type=device_name, help="torch device (default: cpu)")
+    p.add_argument("--threads", type=positive_int, metavar="N",
+                   help="torch threads, fixed for the run (default: torch's current setting)")
+    p.add_argument("--warmup-tokens", type=positive_int, metavar="N", help="warm-up length per method (default 16)")
+    p.add_argument("--profile", type=Path, metavar="FILE",
+                   help="hardware profile from specula calibrate (default: the target's, when present)")
+    p.add_argument("--no-profile", action="store_true", help="ignore any hardware profile")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(handler=run_bench_command)
+
+
+def bench_settings(args: argparse.Namespace):
+    """Merge command line, config file and defaults into BenchSettings (loads no model)."""
+    from specula.api import DEFAULT_HEADS, DEFAULT_TARGET
+    from specula.bench.config import method_specs, read_config
+    from specula.bench.profile import all_defaults, load_profile
+    from specula.bench.questions import load_questions
+    from specula.bench.suite import BenchSettings
+    from specula.sampling import SamplingParams
+    from specula.target import check_model_dir
+
+    config = read_config(args.config) if args.config else {"bench": {}, "methods": {}}
+    bench = config["bench"]
+
+    def pick(name: str, default=None):
+        value = getattr(args, name, None)
+        return value if value is not None else bench.get(name, default)
+
+    target = str(pick("target", DEFAULT_TARGET))
+    check_model_dir(target, "target")
+    out = pick("out")
+    if out is None:
+        raise SpeculaError("bench needs --out DIR (or out in the config's [bench] table)")
+    temperatures = _floats(pick("temperature", [0.0]), "temperature")
+    top_p = float(pick("top_p", 1.0))
+    top_k = _int(pick("top_k", 0), "top_k", minimum=0)
+    for t in temperatures:
+        SamplingParams(t, top_k, top_p)  # validates
+    if not temperatures or len(set(temperatures)) != len(temperatures):
+        raise SpeculaError("give each temperature once (e.g. --temperature 0,1)")
+    data = _split(pick("data", str(DEFAULT_DATA)))
+    categories = _split(pick("category")) or None
+    limit = _int(pick("limit"), "limit")
+    questions = load_questions(data, categories, limit)
+
+    profile = None
+    if not args.no_profile:
+        profile = load_profile(Path(target).resolve().name, args.profile)
+    device = str(pick("device", "cpu"))
+    labels = _split(pick("methods"))
+    specs = method_specs(labels, config["methods"], args.option, all_defaults(profile, device))
+    bundled = Path(target).resolve() == DEFAULT_TARGET
+    for spec in specs:
+        if spec.draft is None and bundled and spec.method in DEFAULT_HEADS:
+            spec.draft = str(DEFAULT_HEADS[spec.method])
+        if spec.draft is not None and not Path(spec.draft).is_dir():
+            raise SpeculaError(f"draft directory of method {spec.label} not found: {spec.draft}")
+    settings = BenchSettings(
+        target=target, methods=specs, data=data, questions=questions, out=Path(out), temperatures=temperatures,
+        max_new_tokens=_int(pick("max_new_tokens", 128), "max_new_tokens"), seed=int(pick("seed", 0)),
+        dtype=str(pick("dtype", "auto")), device=device, threads=_int(pick("threads"), "threads"),
+        top_p=top_p, top_k=top_k, max_prompt_tokens=_int(pick("max_prompt_tokens"), "max_prompt_tokens"),
+        warmup_tokens=_int(pick("warmup_tokens", 16), "warmup_tokens"), categories=categories, limit=limit,
+        profile=profile, progress=not args.no_progress,
+    )
+    settings.command = canonical_command(settings)
+    return settings
+
+
+def canonical_command(settings) -> str:
+    """The run as one `specula bench` command with every setting spelled out (recorded in results.md)."""
+    parts = ["specula", "bench", "--target", settings.target,
+             "--methods", ",".join(spec.label for spec in settings.methods), "--data", ",".join(settings.data)]
+    if settings.categories:
+        parts += ["--category", ",".join(settings.categories)]
+    if settings.limit:
+        parts += ["--limit", str(settings.limit)]
+    parts += ["--temperature", ",".join(f"{t:g}" for t in settings.temperatures),
+              "--max-new-tokens", str(settings.max_new_tokens), "--seed", str(settings.seed),
+              "--dtype", settings.dtype]
+    if settings.threads:
+        parts += ["--threads", str(settings.threads)]
+    if settings.max_prompt_tokens:
+        parts += ["--max-prompt-tokens", str(settings.max_prompt_tokens)]
+    if (settings.top_k, settings.top_p) != (0, 1.0):
+        parts += ["--top-k", str(settings.top_k), "--top-p", f"{settings.top_p:g}"]
+    parts.append("--no-profile")  # profile defaults, if any were used, are spelled out below
+    for spec in settings.methods:
+        if spec.draft is not None:
+            parts += ["--option", f"{spec.label}.draft={spec.draft}"]
+        for key, value in spec.options.items():
+            parts += ["--option", f"{spec.label}.{key}={json.dumps(value)}"]
+    parts += ["--out", str(settings.out)]
+    return " ".join(shlex.quote(p) for p in parts)
+
+
+def run_bench_command(args: argparse.Namespace) -> int:
+    from specula.bench.suite import run_bench
+
+    settings = bench_settings(args)
+    results = run_bench(settings)
+    out = settings.out
+    print(f"{len(results['records'])} records in {out / 'results.json'}; table in {out / 'results.md'}",
+          file=sys.stderr)
+    for temperature, table in results["aggregates"].items():
+        for method, row in table.items():
+            s = row["overall"]
+            speed = "–" if s["speedup"] is None else f"{s['speedup']:.2f}x"
+            tau = "–" if s["tau"] is None else f"{s['tau']:.2f}"
+            print(f"T={temperature} {method}: {s['tokens_per_s']:.1f} tokens/s, speedup {speed}, tau {tau}")
+    return 0
+
+
+# ---------------------------------------------------------------- calibrate
+
+
+def add_calibrate_parser(subparsers: argparse._SubParsersAction) -> None:
+    from specula.api import DEFAULT_TARGET
+    from specula.cli import DTYPE_CHOICES, device_name, positive_int
+
+    p = subparsers.add_parser(
+        "calibrate", help="measure α, c and verification cost; predict the best draft budget; save a profile",
+        description="Measure on this machine the acceptance rate α of a method, its cost coefficient c and the "
+                    "target's verification cost for 1..128 tokens; print the lecture's predictions next to the "
+                    "measured speedup and write a hardware profile that bench uses as defaults.")
+    p.add_argument("--target", type=Path, default=DEFAULT_TARGET, metavar="DIR",
+                   help="target model directory (default: the bundled %(default)s)")
+    p.add_argument("--method", required=True, metavar="M", help="method to calibrate (sps, pld, eagle2, ...)")
+    p.add_argument("--draft", type=Path, metavar="DIR", help="draft model or head directory")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="drafter option for the measured runs, e.g. num_tokens=4 (repeatable)")
+    p.add_argument("--data", type=Path, default=DEFAULT_DATA, metavar="FILE",
+                   help="question file whose first turns are the prompts (default: %(default)s)")
+    p.add_argument("--prompts", type=positive_int, default=4, metavar="N", help="(default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=64, metavar="N", help="(default: %(default)s)")
+    p.add_argument("--max-prompt-tokens", type=positive_int, default=256, metavar="N", help="(default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="(default: %(default)s)")
+    p.add_argument("--repeats", type=positive_int, default=5, metavar="N",
+                   help="timed forwards per verification size (default: %(default)s)")
+    p.add_argument("--max-nodes", type=positive_int, default=128, metavar="N",
+                   help="largest tree budget considered (default: %(default)s)")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help="(default: %(default)s, as stored)")
+    p.add_argument("--device", type=device_name, default="cpu")
+    p.add_argument("--threads", type=positive_int, metavar="N", help="torch threads (default: torch's setting)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, metavar="FILE",
+                   help="profile file to write (default: ~/.cache/specula/profile-<target name>.json)")
+    p.add_argument("--no-save", action="store_true", help="print only; write no profile")
+    p.add_argument("--json", action="store_true", help="print the profile as JSON instead of the summary")
+    p.set_defaults(handler=run_calibrate_command)
+
+
+def run_calibrate_command(args: argparse.Namespace) -> int:
+    from specula.bench.calibrate import CalibrationOptions, calibrate, format_report
+    from specula.bench.config import known_methods, parse_option
+    from specula.bench.profile import profile_path, save_profile
+    from specula.bench.questions import read_questions
+    from specula.sampling import SamplingParams
+    from specula.target import check_model_dir
+
+    ours = [m for m in known_methods() if not m.startswith("hf")]
+    if args.method not in ours or args.method == "vanilla":
+        raise SpeculaError(f"cannot calibrate method '{args.method}'; choose one of "
+                           f"{', '.join(m for m in ours if m != 'vanilla')}")
+    SamplingParams(args.temperature)
+    check_model_dir(args.target, "target")
+    options = {}
+    for text in args.option:
+        _, key, value = parse_option(f"{args.method}.{text}")
+        options[key] = value
+    prompts = [q.turns[0] for q in read_questions(args.data)[: args.prompts]]
+    opts = CalibrationOptions(
+        target=str(args.target), method=args.method, draft=None if args.draft is None else str(args.draft),
+        options=options, prompts=prompts, max_new_tokens=args.max_new_tokens,
+        max_prompt_tokens=args.max_prompt_tokens, temperature=args.temperature, dtype=args.dtype,
+        device=args.device, threads=args.threads, repeats=args.repeats, max_nodes=args.max_nodes, seed=args.seed)
+    profile = calibrate(opts, log=lambda message: print(message, file=sys.stderr))
+    if args.json:
+        print(json.dumps(profile, indent=2))
+    else:
+        print(format_report(profile, args.method))
+    if not args.no_save:
+        path = save_profile(profile, args.out or profile_path(profile["target"]))
+        print(f"profile written to {path}", file=sys.stderr)
+    return 0

@@ -1,0 +1,98 @@
+"""Hardware profiles written by `specula calibrate` and read as defaults by `bench` (and `generate`).
+
+A profile is one JSON file per target model name, by default
+``~/.cache/specula/profile-<target name>.json`` (``$SPECULA_CACHE_DIR`` or
+``$XDG_CACHE_HOME/specula`` move the directory). It records the machine it was
+measured on and, per method, what calibration measured and the drafter options
+it recommends:
+
+    {"target": "pycoder-25m", "device": "cpu", "dtype": "bfloat16", "threads": 2,
+     "target_step_s": 0.004, "verify_cost_s": {"1": 0.004, "2": 0.0045, ...},
+     "methods": {"sps": {"alpha": 0.71, "c": 0.18, ..., "defaults": {"num_tokens": 4}}, ...}}
+
+`profile_defaults(profile, method, device)` returns the recommended drafter
+options of one method (empty when the profile is for another device type), to
+be used under anything the user sets explicitly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from specula.errors import SpeculaError
+
+PROFILE_VERSION = 1
+
+
+def profile_dir() -> Path:
+    if os.environ.get("SPECULA_CACHE_DIR"):
+        return Path(os.environ["SPECULA_CACHE_DIR"])
+    base = Path(os.environ["XDG_CACHE_HOME"]) if os.environ.get("XDG_CACHE_HOME") else Path.home() / ".cache"
+    return base / "specula"
+
+
+def profile_path(target_name: str) -> Path:
+    return profile_dir() / f"profile-{target_name}.json"
+
+
+def load_profile(target_name: str, path: str | Path | None = None) -> dict | None:
+    """The profile of ``target_name`` (a model directory's name, as `Target.name`), or None if there is none.
+
+    A profile that cannot be read raises SpeculaError naming the file, rather
+    than being silently ignored: it would change defaults without saying so.
+    """
+    file = Path(path) if path is not None else profile_path(target_name)
+    if not file.is_file():
+        if path is not None:
+            raise SpeculaError(f"profile not found: {file}")
+        return None
+    try:
+        profile = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise SpeculaError(f"cannot read hardware profile {file}: {err} (delete it or run specula calibrate)") from err
+    if not isinstance(profile, dict) or not isinstance(profile.get("methods", {}), dict):
+        raise SpeculaError(f"hardware profile {file} is malformed (delete it or run specula calibrate)")
+    profile.setdefault("methods", {})
+    profile["path"] = str(file)
+    return profile
+
+
+def profile_defaults(profile: dict | None, method: str, device: str = "cpu") -> dict:
+    """Drafter options the profile recommends for ``method`` on ``device`` ({} if none apply)."""
+    if not profile:
+        return {}
+    if str(profile.get("device", "cpu")).split(":")[0] != str(device).split(":")[0]:
+        return {}
+    entry = profile["methods"].get(method) or {}
+    defaults = entry.get("defaults") or {}
+    return dict(defaults) if isinstance(defaults, dict) else {}
+
+
+def all_defaults(profile: dict | None, device: str = "cpu") -> dict[str, dict]:
+    if not profile:
+        return {}
+    return {method: profile_defaults(profile, method, device) for method in profile["methods"]}
+
+
+def save_profile(profile: dict, path: str | Path) -> Path:
+    """Write ``profile`` (merging the methods of an existing profile for the same target) atomically."""
+    file = Path(path)
+    merged = dict(profile)
+    if file.is_file():
+        try:
+            old = json.loads(file.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            old = None
+        same_machine = isinstance(old, dict) and all(
+            old.get(k) == profile.get(k) for k in ("target", "device", "dtype", "threads"))
+        if same_machine and isinstance(old.get("methods"), dict):
+            merged["methods"] = {**old["methods"], **profile.get("methods", {})}
+    merged.pop("path", None)
+    merged["version"] = PROFILE_VERSION
+    file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = file.with_suffix(file.suffix + ".tmp")
+    tmp.write_text(json.dumps(merged, indent=2) + "\n", encoding="utf-8")
+    tmp.replace(file)
+    return file

@@ -1,0 +1,214 @@
+"""results.md and the PNG plots of a bench run, from the aggregates in results.json.
+
+- ``results.md``: per temperature, a table shaped like Table 1 of the EAGLE-2
+  paper (rows methods, columns categories and overall, cells "speedup× / τ"),
+  then per-method details (tokens/s, speedup over the best `transformers`
+  baseline, greedy equality, acceptance by depth, time shares, memory).
+- ``speedup_tau.png``: speedup and τ per method and category.
+- ``acceptance_by_depth.png``: acceptance rate by depth in the draft (n-α; cf. EAGLE-2 Fig. 5).
+- ``calibration.png``: draft confidence against acceptance rate (EAGLE-2 Fig. 6), for
+  methods whose drafts carry confidences; the others are named as not available.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from specula.bench.metrics import calibration_curve
+
+PLOTS = ("speedup_tau.png", "acceptance_by_depth.png", "calibration.png")
+DEPTH_COLUMNS = 5
+MIN_BIN_COUNT = 5  # calibration bins with fewer draft tokens are too noisy to plot
+
+
+def _num(value, fmt: str, suffix: str = "") -> str:
+    return "–" if value is None else f"{value:{fmt}}{suffix}"
+
+
+def _categories(table: dict) -> list[str]:
+    seen: dict[str, None] = {}
+    for row in table.values():
+        for category in row:
+            if category != "overall":
+                seen.setdefault(category, None)
+    return list(seen)
+
+
+def markdown(results: dict) -> str:
+    settings, env = results["settings"], results.get("environment", {})
+    lines = [
+        f"# Benchmark: {settings['target']}",
+        "",
+        f"dtype {settings['dtype']}, device {settings['device']}, {settings['threads']} threads, "
+        f"max_new_tokens {settings['max_new_tokens']}, top_k {settings['top_k']}, top_p {settings['top_p']}, "
+        f"seed {settings['seed']}; torch {env.get('torch', '?')}, transformers {env.get('transformers', '?')}.",
+        f"Data: {', '.join(settings['data'])}"
+        + (f" (categories {', '.join(settings['categories'])})" if settings.get("categories") else "")
+        + (f", at most {settings['limit']} questions per category" if settings.get("limit") else "") + ".",
+        "",
+        "Cells are speedup over vanilla (ratio of mean per-question tokens/s) / τ (tokens per target forward; "
+        "for `transformers` baselines counted from the target's forward calls).",
+    ]
+    turns = [t for r in results.get("records", []) for t in r["turns"]]
+    cut = sum(1 for t in turns if t.get("cut_tokens"))
+    if cut:
+        lines += ["", f"{cut} of {len(turns)} prompt turns (all methods and temperatures) did not fit the context "
+                      f"and kept their last {settings['max_prompt_tokens']} tokens."]
+    if results.get("command"):
+        lines += ["", f"Command: `{results['command']}`"]
+    for temperature, table in results.get("aggregates", {}).items():
+        categories = _categories(table)
+        lines += ["", f"## Temperature {temperature}", ""]
+        lines.append("| method | " + " | ".join(categories + ["overall"]) + " |")
+        lines.append("|---" * (len(categories) + 2) + "|")
+        for method, row in table.items():
+            cells = []
+            for category in categories + ["overall"]:
+                s = row.get(category)
+                cells.append("" if s is None else f"{_num(s['speedup'], '.2f', '×')} / {_num(s['tau'], '.2f')}")
+            lines.append(f"| {method} | " + " | ".join(cells) + " |")
+        greedy = temperature in ("0", "0.0")
+        best_hf = next((r["overall"].get("best_hf") for r in table.values() if r["overall"].get("best_hf")), None)
+        lines += ["", f"Overall details at T={temperature}:", ""]
+        depth_head = " | ".join(f"α{d}" for d in range(1, DEPTH_COLUMNS + 1))
+        vs = f"vs {best_hf}" if best_hf else "vs best hf"
+        lines.append(f"| method | questions | tokens/s | {vs} | " + ("greedy equal | " if greedy else "")
+                     + f"α | {depth_head} | draft share | verify share | peak RSS MiB | repetition |")
+        lines.append("|---" * (9 + DEPTH_COLUMNS + int(greedy)) + "|")
+        for method, row in table.items():
+            s = row["overall"]
+            depth = list(s.get("acceptance_by_depth") or [])[:DEPTH_COLUMNS]
+            depth += [None] * (DEPTH_COLUMNS - len(depth))
+            cells = [str(s["questions"]), _num(s["tokens_per_s"], ".1f"), _num(s.get("vs_best_hf"), ".2f", "×")]
+            if greedy:
+                cells.append(_num(s.get("greedy_equal"), ".2f"))
+            cells += [_num(s["alpha"], ".2f")] + [_num(a, ".2f") for a in depth]
+            cells += [_num(s["draft_share"], ".0%"), _num(s["verify_share"], ".0%"), _num(s["peak_rss_mb"], ".0f"),
+                      _num(s["repetition"], ".2f")]
+            lines.append(f"| {method} | " + " | ".join(cells) + " |")
+        unequal = [m for m, r in table.items() if greedy and r["overall"].get("greedy_equal") not in (None, 1.0)]
+        if unequal:
+            lines += ["", f"**Greedy outputs differ from vanilla for: {', '.join(unequal)}.** For our methods this "
+                          "is a bug to report; `transformers` baselines can differ by floating-point rounding."]
+    lines += [
+        "",
+        "α: accepted over tried draft tokens; αd: acceptance rate at depth d of the draft (among cycles that "
+        "accepted d−1 drafts and had a depth-d token to try). Repetition: share of repeated 4-grams in the output "
+        "(high values mean looping text, which inflates τ). Peak RSS is the whole process (all models loaded); "
+        f"loading the target added {results.get('target_load_rss_mb', '?')} MiB, each method: "
+        + ", ".join(f"{k} {v} MiB" for k, v in results.get("method_load_rss_mb", {}).items()) + ".",
+        "",
+        "Plots: " + ", ".join(f"[{p}]({p})" for p in PLOTS),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_speedup_tau(results: dict, path: Path) -> None:
+    plt = _pyplot()
+    aggregates = results.get("aggregates", {})
+    rows = max(1, len(aggregates))
+    fig, axes = plt.subplots(rows, 2, figsize=(13, 3.8 * rows), squeeze=False)
+    for r, (temperature, table) in enumerate(aggregates.items()):
+        categories = _categories(table) + ["overall"]
+        methods = list(table)
+        width = 0.8 / max(1, len(methods))
+        for c, (metric, title) in enumerate((("speedup", "speedup over vanilla"), ("tau", "τ (tokens per cycle)"))):
+            ax = axes[r][c]
+            for i, method in enumerate(methods):
+                values = [(table[method].get(cat) or {}).get(metric) for cat in categories]
+                xs = [k + (i - (len(methods) - 1) / 2) * width for k in range(len(categories))]
+                ax.bar(xs, [v or 0.0 for v in values], width, label=method)
+            ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+            ax.set_xticks(range(len(categories)))
+            ax.set_xticklabels(categories, rotation=30, ha="right", fontsize=8)
+            ax.set_title(f"{title}, T={temperature}", fontsize=10)
+    if not aggregates:
+        axes[0][0].text(0.5, 0.5, "no results", ha="center")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 8), fontsize=8, frameon=False)
+    fig.suptitle(f"{results['settings']['target']} ({results['settings']['dtype']}, "
+                 f"{results['settings']['threads']} threads)")
+    fig.tight_layout(rect=(0, 0.06 if handles else 0, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_acceptance_by_depth(results: dict, path: Path) -> None:
+    plt = _pyplot()
+    aggregates = results.get("aggregates", {})
+    fig, axes = plt.subplots(1, max(1, len(aggregates)), figsize=(6 * max(1, len(aggregates)), 4), squeeze=False)
+    for c, (temperature, table) in enumerate(aggregates.items()):
+        ax = axes[0][c]
+        missing = []
+        for method, row in table.items():
+            rates = row["overall"].get("acceptance_by_depth")
+            points = [(d + 1, a) for d, a in enumerate(rates or []) if a is not None]
+            if not points:
+                missing.append(method)
+                continue
+            ax.plot(*zip(*points, strict=True), marker="o", label=method)
+        ax.set_ylim(0, 1.05)
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.set_xlabel("depth in the draft (position)")
+        ax.set_ylabel("acceptance rate")
+        ax.set_title(f"acceptance by draft depth, T={temperature}", fontsize=10)
+        if ax.lines:
+            ax.legend(fontsize=7)
+        if missing:
+            ax.text(0.02, 0.02, "no per-depth data for: " + ", ".join(missing), transform=ax.transAxes,
+                    fontsize=7, color="grey")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_calibration(results: dict, path: Path) -> None:
+    plt = _pyplot()
+    aggregates = results.get("aggregates", {})
+    fig, axes = plt.subplots(1, max(1, len(aggregates)), figsize=(5.5 * max(1, len(aggregates)), 5), squeeze=False)
+    for c, (temperature, table) in enumerate(aggregates.items()):
+        ax = axes[0][c]
+        ax.plot([0, 1], [0, 1], "r--", linewidth=1)
+        missing = []
+        for method, row in table.items():
+            curve = [point for point in calibration_curve(row["overall"].get("calibration"))
+                     if point[2] >= MIN_BIN_COUNT]
+            if not curve:
+                missing.append(method)
+                continue
+            xs, ys, _ = zip(*curve, strict=True)
+            ax.plot(xs, ys, marker="o", label=method)
+        ax.set_xlim(0, 1)
+        ax.set_ylim(0, 1)
+        ax.set_xlabel("draft confidence")
+        ax.set_ylabel("acceptance rate")
+        ax.set_title(f"draft calibration, T={temperature} (bins with >= {MIN_BIN_COUNT} tokens)", fontsize=10)
+        if ax.lines[1:]:
+            ax.legend(fontsize=7)
+        if missing:
+            ax.text(0.02, 0.95, "not available for: " + ", ".join(missing) + "\n(their drafts carry no confidences)",
+                    transform=ax.transAxes, fontsize=7, color="grey", va="top")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_report(results: dict, out: Path) -> list[Path]:
+    out = Path(out)
+    written = [out / "results.md"]
+    written[0].write_text(markdown(results), encoding="utf-8")
+    for name, plot in zip(PLOTS, (plot_speedup_tau, plot_acceptance_by_depth, plot_calibration), strict=True):
+        plot(results, out / name)
+        written.append(out / name)
+    return written

@@ -1,0 +1,310 @@
+"""Running one turn of one question with one method, timed the same way for every method.
+
+`SpeculaRunner` runs our decode loop (`specula.decoding.generate_tokens`) with
+a drafter built by `build_drafter`; `HFRunner` runs `transformers` `generate`
+(plain, assisted with a draft model, or prompt lookup) on the same loaded
+model. Both return a `TurnResult`; the wall time is taken around the whole
+generation (prefill included) and nothing else.
+
+`RecordingDrafter` wraps a drafter to keep each cycle's draft tree and the
+number of tokens the target accepted. After the generation (outside the timed
+region) it turns them into per-depth acceptance counts and, when the tree
+carries draft confidences, a confidence-vs-acceptance histogram (EAGLE-2, Fig. 6).
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specula.bench.config import MethodSpec
+from specula.bench.metrics import add_to_calibration, depth_counts, empty_calibration
+from specula.errors import SpeculaError
+from specula.sampling import SamplingParams
+from specula.target import Target
+
+
+@dataclass
+class TurnResult:
+    token_ids: list[int]
+    wall_time: float
+    cycles: int | None = None
+    draft_time: float | None = None
+    verify_time: float | None = None
+    prefill_time: float | None = None
+    accepted_lengths: list[int] | None = None
+    stop_reason: str = ""
+    depth_tried: list[int] | None = None
+    depth_accepted: list[int] | None = None
+    calibration: dict | None = None
+    cuda_peak_mb: float | None = None
+    extra: dict = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------- prompts
+
+
+def conversation_ids(tokenizer, turns: list[str], answers: list[str], max_prompt_tokens: int) -> tuple[list[int], int]:
+    """Token ids of the conversation up to the newest user turn, and how many ids were cut from the left.
+
+    With a chat template: user/assistant messages and the generation prompt.
+    Without one (stories260k, pycoder-25m): the raw texts joined with newlines,
+    tokenized the way `specula generate` tokenizes a prompt.
+    """
+    if getattr(tokenizer, "chat_template", None):
+        messages = []
+        for i, turn in enumerate(turns):
+            messages.append({"role": "user", "content": turn})
+            if i < len(answers):
+                messages.append({"role": "assistant", "content": answers[i]})
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        ids = list(ids)
+    else:
+        parts = [p for pair in zip(turns, answers + [None], strict=True) for p in pair if p is not None]
+        ids = tokenizer("\n".join(parts), verbose=False).input_ids
+    cut = max(0, len(ids) - max_prompt_tokens)
+    return ids[cut:], cut
+
+
+# ---------------------------------------------------------------- memory
+
+
+def rss_mb() -> float:
+    """Resident set size of this process now, in MiB."""
+    try:
+        import psutil
+
+        return psutil.Process().memory_info().rss / 2**20
+    except ImportError:
+        try:
+            with open("/proc/self/statm") as statm:
+                return int(statm.read().split()[1]) * resource.getpagesize() / 2**20
+        except OSError:
+            return max_rss_mb()
+
+
+def max_rss_mb() -> float:
+    """Peak resident set size of this process since it started, in MiB."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 1024
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _cuda_reset(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _cuda_peak(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
+
+
+# ---------------------------------------------------------------- our methods
+
+
+def node_confidences(tree) -> list[float] | None:
+    """Draft confidence of each node's token given its parent (index 0 unused), when the tree carries it.
+
+    Read from ``tree.confidences`` (float [n], set by drafters that know them) or,
+    for sampled drafts, from ``tree.draft_probs[i, token_i]``.
+    """
+    confidences = getattr(tree, "confidences", None)
+    if confidences is not None:
+        return [float(c) for c in (confidences.tolist() if isinstance(confidences, torch.Tensor) else confidences)]
+    if tree.draft_probs is not None:
+        rows = torch.arange(len(tree), device=tree.draft_probs.device)
+        return tree.draft_probs[rows, tree.tokens.to(tree.draft_probs.device)].float().tolist()
+    return None
+
+
+def accepted_path(tree, accepted: torch.Tensor) -> tuple[list[int], dict[int, list[int]]]:
+    """Node indices of the accepted path (root first) and each node's children, in node order.
+
+    ``accepted`` holds the token ids the target kept, root first; the path is
+    found by searching down from the root for a path spelling them (siblings
+    may repeat a token when drafts are sampled, so the first match can be a dead end).
+    """
+    tokens = tree.tokens.tolist()
+    children: dict[int, list[int]] = {}
+    for i, parent in enumerate(tree.parents[1:], start=1):
+        children.setdefault(parent, []).append(i)
+    wanted = accepted.tolist()[1:]
+    best = [0]
+    stack = [[0]]
+    while stack:
+        path = stack.pop()
+        if len(path) > len(best):
+            best = path
+            if len(best) == len(wanted) + 1:
+                break
+        depth = len(path) - 1
+        if depth < len(wanted):
+            stack.extend(path + [c] for c in reversed(children.get(path[-1], [])) if tokens[c] == wanted[depth])
+    return best, children
+
+
+def analyse_cycles(cycles: list[tuple[object, torch.Tensor]]) -> tuple[list[int], list[int], dict | None]:
+    """Depth (tried, accepted) counts and the calibration histogram of a generation's cycles.
+
+    Each cycle is (draft tree, accepted token ids from the root on).
+    """
+    accepted_lengths, tried_next = [], []
+    calibration = None
+    for tree, accepted in cycles:
+        path, children = accepted_path(tree, accepted)
+        accepted_lengths.append(len(path) - 1)
+        tried_next.append(bool(children.get(path[-1])))
+        confidences = node_confidences(tree)
+        if confidences is not None:
+            calibration = calibration or empty_calibration()
+            on_path = set(path)
+            for parent in path:  # every child of a node on the accepted path was tried
+                for child in children.get(parent, []):
+                    add_to_calibration(calibration, confidences[child], child in on_path)
+    tried, hits = depth_counts(accepted_lengths, tried_next)
+    return tried, hits, calibration
+
+
+class RecordingDrafter:
+    """A drafter that remembers each cycle's tree and accepted tokens; otherwise the inner drafter itself."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.cycles: list[tuple[object, torch.Tensor]] = []
+        self._tree = None
+
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    @property
+    def features(self):
+        return self.inner.features
+
+    def start(self, prompt, target_out) -> None:
+        self.cycles = []
+        self.inner.start(prompt, target_out)
+
+    def propose(self, context, max_depth, params, generator):
+        self._tree = self.inner.propose(context, max_depth, params, generator)
+        return self._tree
+
+    def observe(self, accepted, target_out) -> None:
+        self.cycles.append((self._tree, accepted))
+        self.inner.observe(accepted, target_out)
+
+
+class SpeculaRunner:
+    """One of our methods on the shared target."""
+
+    def __init__(self, spec: MethodSpec, target: Target, dtype: str):
+        from specula.drafters import build_drafter
+
+        self.spec = spec
+        self.target = target
+        self.drafter = RecordingDrafter(build_drafter(spec.method, target, spec.draft, dtype=dtype, **spec.options))
+        draft = getattr(self.drafter.inner, "draft", None)
+        self.draft_model = draft if isinstance(draft, Target) else None  # a separate model with its own context
+
+    def run(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams, seed: int) -> TurnResult:
+        from specula.decoding import generate_tokens
+
+        device = self.target.device
+        ids = torch.tensor(prompt_ids, dtype=torch.long, device=device)
+        _cuda_reset(device)
+        _sync(device)
+        start = time.perf_counter()
+        tokens, stats = generate_tokens(self.target, self.drafter, ids, max_new_tokens, params, seed)
+        _sync(device)
+        wall = time.perf_counter() - start
+        tried, hits, calibration = analyse_cycles(self.drafter.cycles)
+        self.drafter.cycles = []
+        return TurnResult(tokens, wall, stats.cycles, stats.draft_time, stats.verify_time, stats.prefill_time,
+                          list(stats.accepted_lengths), stats.stop_reason, tried, hits, calibration,
+                          _cuda_peak(device))
+
+
+# ---------------------------------------------------------------- transformers baselines
+
+
+class _CountCalls:
+    """Counts forward calls of a module while active (the target forwards of one generate call)."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module, self.calls, self.handle = module, 0, None
+
+    def __enter__(self):
+        self.calls = 0
+        self.handle = self.module.register_forward_hook(self._hook)
+        return self
+
+    def _hook(self, *_):
+        self.calls += 1
+
+    def __exit__(self, *exc):
+        self.handle.remove()
+
+
+class HFRunner:
+    """`transformers` generate on the target's own model: hf (plain), hf_assisted, hf_pld."""
+
+    def __init__(self, spec: MethodSpec, target: Target, dtype: str):
+        self.spec = spec
+        self.target = target
+        self.kwargs: dict = {}
+        self.draft_model: Target | None = None
+        if spec.method == "hf_assisted":
+            from specula.drafters.draft_model import check_same_vocabulary
+
+            draft = Target.load(spec.draft, dtype=dtype, device=target.device, role="draft")
+            check_same_vocabulary(target, draft)
+            self.draft_model = draft
+            assistant = draft.model
+            for key, value in spec.options.items():
+                setattr(assistant.generation_config, key, value)
+            self.kwargs["assistant_model"] = assistant
+        elif spec.method == "hf_pld":
+            self.kwargs["prompt_lookup_num_tokens"] = int(spec.options.get("num_tokens", 10))
+            if "max_matching_ngram_size" in spec.options:
+                self.kwargs["max_matching_ngram_size"] = int(spec.options["max_matching_ngram_size"])
+        eos = sorted(target.eos_token_ids)
+        self.kwargs.update(eos_token_id=eos or None, pad_token_id=eos[0] if eos else 0)
+
+    def run(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams, seed: int) -> TurnResult:
+        device = self.target.device
+        ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)
+        sampling = {"do_sample": False}
+        if not params.greedy:
+            # transformers' own default top_k is 50: pass ours (0 = off) explicitly so both sample alike.
+            sampling = {"do_sample": True, "temperature": params.temperature, "top_k": params.top_k,
+                        "top_p": params.top_p}
+        torch.manual_seed(seed)
+        _cuda_reset(device)
+        with _CountCalls(self.target.model) as counter, torch.no_grad():
+            _sync(device)
+            start = time.perf_counter()
+            out = self.target.model.generate(ids, max_new_tokens=max_new_tokens, attention_mask=torch.ones_like(ids),
+                                             **sampling, **self.kwargs)
+            _sync(device)
+            wall = time.perf_counter() - start
+        tokens = out[0, len(prompt_ids):].tolist()
+        stop = "eos" if tokens and tokens[-1] in self.target.eos_token_ids else "max_new_tokens"
+        return TurnResult(tokens, wall, cycles=counter.calls or None, stop_reason=stop,
+                          cuda_peak_mb=_cuda_peak(device))
+
+
+def make_runner(spec: MethodSpec, target: Target, dtype: str):
+    try:
+        return (HFRunner if spec.is_hf else SpeculaRunner)(spec, target, dtype)
+    except TypeError as err:  # an option the drafter does not take
+        raise SpeculaError(f"method {spec.label} ({spec.method}): {err}") from err

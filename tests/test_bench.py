@@ -1,0 +1,430 @@
+"""The benchmark suite: metrics on synthetic records, question loaders, configs, theory, resume, a tiny real run."""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import LLAMA2XS, STORIES
+
+from specula.bench import metrics, theory
+from specula.bench.config import method_specs, parse_option, read_config
+from specula.bench.profile import load_profile, profile_defaults, save_profile
+from specula.bench.questions import load_questions, read_questions, select
+from specula.bench.runners import analyse_cycles
+from specula.bench.suite import run_question as _original_run_question
+from specula.errors import SpeculaError
+from specula.tree import DraftTree
+
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+def record(question, method, tps, new_tokens=10, cycles=5, category="c", temperature=0.0, tokens=None, **extra):
+    tokens = tokens if tokens is not None else [1, 2, 3]
+    return {"question": question, "method": method, "category": category, "temperature": temperature,
+            "tokens_per_s": tps, "new_tokens": new_tokens, "cycles": cycles, "wall_time": new_tokens / tps,
+            "turns": [{"token_ids": tokens}], "repetition": 0.0, **extra}
+
+
+# ---------------------------------------------------------------- metrics
+
+
+def test_tau_is_pooled_tokens_over_cycles():
+    records = [record("a", "m", 1.0, new_tokens=10, cycles=5), record("b", "m", 1.0, new_tokens=30, cycles=5)]
+    assert metrics.tau(records) == pytest.approx(40 / 10)
+    assert metrics.tau([record("a", "hf", 1.0, cycles=None)]) is None
+
+
+def test_speedup_is_a_ratio_of_means_not_a_mean_of_ratios():
+    base = [record("a", "vanilla", 10.0), record("b", "vanilla", 30.0)]
+    mine = [record("a", "m", 30.0), record("b", "m", 30.0)]
+    assert metrics.speedup(mine, base) == pytest.approx(60 / 40)  # a mean of ratios would be (3 + 1) / 2 = 2
+    # Only questions both ran are compared.
+    assert metrics.speedup(mine[:1], base) == pytest.approx(3.0)
+
+
+def test_depth_counts_are_n_alpha():
+    # Chains of 3 drafts: accepted 0, 1, 3 (all), 2. Depth 1 tried 4x, accepted 3x; depth 2 tried 3x (cycles
+    # that accepted >= 1), accepted 2x; depth 3 tried 2x, accepted 1x.
+    accepted = [0, 1, 3, 2]
+    tried_next = metrics.chain_tried_next(accepted, [3, 3, 3, 3])
+    assert tried_next == [True, True, False, True]
+    tried, hits = metrics.depth_counts(accepted, tried_next)
+    assert tried == [4, 3, 2] and hits == [3, 2, 1]
+    assert metrics.rates(tried, hits) == pytest.approx([3 / 4, 2 / 3, 1 / 2])
+    assert metrics.pooled_alpha(tried, hits) == pytest.approx(6 / 9)
+    # A cycle with nothing to try at the next depth (draft ran out) is not a rejection there.
+    assert metrics.depth_counts([1], [False]) == ([1], [1])
+
+
+def test_greedy_equality_and_repetition():
+    base = [record("a", "vanilla", 1.0, tokens=[1, 2]), record("b", "vanilla", 1.0, tokens=[3])]
+    mine = [record("a", "m", 1.0, tokens=[1, 2]), record("b", "m", 1.0, tokens=[4])]
+    assert metrics.greedy_equality(mine, base) == 0.5
+    assert metrics.repetition([1, 2, 3, 4, 5]) == 0.0
+    assert metrics.repetition([7] * 10, n=4) == pytest.approx(1 - 1 / 7)
+
+
+def test_aggregate_per_category_and_best_transformers_baseline():
+    records = [
+        record("a", "vanilla", 10.0, category="x"), record("b", "vanilla", 20.0, category="y"),
+        record("a", "pld", 20.0, category="x"), record("b", "pld", 20.0, category="y"),
+        record("a", "hf", 5.0, category="x", cycles=None), record("b", "hf", 10.0, category="y", cycles=None),
+    ]
+    out = metrics.aggregate(records, ["vanilla", "pld", "hf"], hf_methods=["hf"])
+    table = out["0"]
+    assert table["pld"]["x"]["speedup"] == pytest.approx(2.0)
+    assert table["pld"]["y"]["speedup"] == pytest.approx(1.0)
+    assert table["pld"]["overall"]["speedup"] == pytest.approx(40 / 30)
+    assert table["pld"]["overall"]["vs_best_hf"] == pytest.approx(20 / 7.5)
+    assert table["hf"]["overall"]["tau"] is None
+    assert table["pld"]["overall"]["greedy_equal"] == 1.0
+
+
+def test_calibration_histogram():
+    cal = metrics.empty_calibration()
+    for confidence, accepted in [(0.02, False), (0.03, True), (0.97, True), (1.0, True)]:
+        metrics.add_to_calibration(cal, confidence, accepted)
+    curve = metrics.calibration_curve(metrics.merge_calibration([cal, None]))
+    assert [(round(c, 3), a, n) for c, a, n in curve] == [(0.025, 0.5, 2), (0.985, 1.0, 2)]
+
+
+def test_analyse_cycles_walks_the_accepted_path_of_a_tree():
+    # root(5) -> 7 (conf .9) -> 8 (conf .6); root -> 9 (conf .1). Accepted: 7 then not 8.
+    tree = DraftTree(torch.tensor([5, 7, 9, 8]), [-1, 0, 0, 1])
+    tree.confidences = [1.0, 0.9, 0.1, 0.6]
+    tried, hits, cal = analyse_cycles([(tree, torch.tensor([5, 7]))])
+    assert (tried, hits) == ([1, 1], [1, 0])
+    curve = metrics.calibration_curve(cal)
+    assert sum(n for _, _, n in curve) == 3  # both children of the root and the child of 7 were tried
+    # Sampled siblings may repeat a token: the accepted path is the one that spells all accepted tokens.
+    twins = DraftTree(torch.tensor([5, 7, 7, 8]), [-1, 0, 0, 2])
+    tried, hits, _ = analyse_cycles([(twins, torch.tensor([5, 7, 8]))])
+    assert (tried, hits) == ([1, 1], [1, 1])
+    chain = DraftTree.chain(5, [1, 2])
+    tried, hits, cal = analyse_cycles([(chain, torch.tensor([5, 1, 2]))])
+    assert (tried, hits, cal) == ([1, 1], [1, 1], None)  # all accepted, nothing deeper tried; no confidences
+
+
+# ---------------------------------------------------------------- question loaders
+
+
+def write_lines(path: Path, lines: list) -> Path:
+    text = "\n".join(line if isinstance(line, str) else json.dumps(line) for line in lines) + "\n"
+    if path.suffix == ".gz":
+        with gzip.open(path, "wt", encoding="utf-8") as f:
+            f.write(text)
+    else:
+        path.write_text(text)
+    return path
+
+
+def test_loaders_read_each_format(tmp_path):
+    (tmp_path / "spec_bench").mkdir()
+    spec = write_lines(tmp_path / "spec_bench" / "question.jsonl", [
+        {"question_id": 1, "category": "writing", "turns": ["Write.", "Again."]},
+        {"question_id": 2, "category": "stem", "turns": ["Why?"]},
+        {"question_id": 3, "category": "translation", "turns": ["Translate."]},
+    ])
+    questions = read_questions(spec)
+    assert [(q.uid, q.category, q.subcategory, len(q.turns)) for q in questions] == [
+        ("spec_bench/1", "mt_bench", "writing", 2), ("spec_bench/2", "mt_bench", "stem", 1),
+        ("spec_bench/3", "translation", "", 1)]
+    mt = write_lines(tmp_path / "mt.jsonl", [{"question_id": 81, "category": "writing", "turns": ["a", "b"]}])
+    assert read_questions(mt)[0].category == "writing"  # plain MT-bench keeps its categories
+    human = write_lines(tmp_path / "HumanEval.jsonl.gz", [{"task_id": "HumanEval/0", "prompt": "def f():\n"}])
+    (q,) = read_questions(human)
+    assert (q.uid, q.category, q.turns) == ("humaneval/HumanEval/0", "humaneval", ("def f():\n",))
+    code = write_lines(tmp_path / "pycode.jsonl", [{"question_id": "p-1", "category": "code", "prompt": "import os"}])
+    assert read_questions(code)[0].category == "code"
+    text = write_lines(tmp_path / "texts.jsonl", [{"text": "Once upon a time"}, "", {"text": "The end"}])
+    assert [q.uid for q in read_questions(text)] == ["texts/1", "texts/3"]  # ids default to line numbers
+
+
+@pytest.mark.parametrize("bad, fragment", [
+    ("{not json", "not valid JSON"),
+    ('["a list"]', "expected a JSON object"),
+    ('{"question": "x"}', "needs 'turns', 'prompt' or 'text'"),
+    ('{"turns": []}', "'turns' must be a non-empty list"),
+    ('{"turns": ["ok", 3]}', "every entry of 'turns'"),
+    ('{"prompt": ""}', "'prompt' must be a non-empty string"),
+    ('{"text": 5}', "'text' must be a non-empty string"),
+    ('{"question_id": 1, "prompt": "again"}', "duplicate question id"),
+])
+def test_loaders_reject_malformed_lines_naming_the_line(tmp_path, bad, fragment):
+    path = write_lines(tmp_path / "q.jsonl", [{"question_id": 1, "prompt": "fine"}, "", bad])
+    with pytest.raises(SpeculaError) as err:
+        read_questions(path)
+    assert f"{path}:3" in str(err.value) and fragment in str(err.value)
+
+
+def test_gzip_loader_names_the_line_too(tmp_path):
+    path = write_lines(tmp_path / "h.jsonl.gz", [{"task_id": "a", "prompt": "x"}, {"task_id": "b"}])
+    with pytest.raises(SpeculaError, match=r"h\.jsonl\.gz:2"):
+        read_questions(path)
+
+
+def test_missing_or_empty_question_files(tmp_path):
+    with pytest.raises(SpeculaError, match="not found"):
+        read_questions(tmp_path / "nope.jsonl")
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(SpeculaError, match="no questions"):
+        read_questions(tmp_path / "empty.jsonl")
+
+
+def test_limit_is_per_category_and_alternates_subcategories(tmp_path):
+    lines = [{"question_id": i, "category": c, "turns": ["q"]}
+             for i, c in enumerate(["writing"] * 3 + ["stem"] * 3 + ["qa"] * 3)]
+    questions = read_questions(write_lines(tmp_path / "s.jsonl", lines))
+    picked = select(questions, limit=2)
+    assert [(q.category, q.subcategory) for q in picked] == [
+        ("mt_bench", "writing"), ("mt_bench", "stem"), ("qa", ""), ("qa", "")]
+    assert [q.subcategory for q in select(questions, ["stem"])] == ["stem"] * 3
+    with pytest.raises(SpeculaError, match="no questions of categories nothing"):
+        load_questions([tmp_path / "s.jsonl"], ["nothing"])
+
+
+@pytest.mark.skipif(not SHARED_DATA.is_dir(), reason="../shared/data not present")
+def test_the_shared_question_sets_load():
+    counts = {name: len(read_questions(SHARED_DATA / name)) for name in
+              ("spec_bench/question.jsonl", "mt_bench/question.jsonl", "humaneval/HumanEval.jsonl.gz",
+               "pycode/eval.jsonl")}
+    assert counts == {"spec_bench/question.jsonl": 480, "mt_bench/question.jsonl": 80,
+                      "humaneval/HumanEval.jsonl.gz": 164, "pycode/eval.jsonl": 132}
+    categories = {q.category for q in read_questions(SHARED_DATA / "spec_bench/question.jsonl")}
+    assert categories == {"mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag"}
+
+
+# ---------------------------------------------------------------- configs
+
+
+def test_config_toml_json_and_options(tmp_path):
+    toml = tmp_path / "b.toml"
+    toml.write_text('[bench]\nmax_new_tokens = 8\n\n[methods.sps]\ndraft = "d"\nnum_tokens = 3\n\n'
+                    '[methods.pld-short]\nmethod = "pld"\nnum_tokens = 2\n')
+    config = read_config(toml)
+    assert config["bench"] == {"max_new_tokens": 8}
+    as_json = tmp_path / "b.json"
+    as_json.write_text(json.dumps(config))
+    assert read_config(as_json) == config
+    specs = method_specs(["vanilla", "sps", "pld-short"], config["methods"], ["sps.num_tokens=5"],
+                         defaults={"pld": {"num_tokens": 9, "max_ngram": 2}})
+    assert [(s.label, s.method, s.draft, s.options) for s in specs] == [
+        ("vanilla", "vanilla", None, {}), ("sps", "sps", "d", {"num_tokens": 5}),
+        ("pld-short", "pld", None, {"num_tokens": 2, "max_ngram": 2})]  # config beats the profile's defaults
+    assert parse_option("a.b=[1, 2]") == ("a", "b", [1, 2])
+    assert parse_option("a.draft=../x") == ("a", "draft", "../x")
+
+
+@pytest.mark.parametrize("labels, options, fragment", [
+    (["nope"], [], "unknown method 'nope'"),
+    (["hf_assisted"], [], "needs a draft model"),
+    (["hf_pld"], ["hf_pld.depth=3"], "does not take option(s) depth"),
+    (["pld"], ["sps.num_tokens=3"], "'sps' is not one of the methods"),
+    (["pld"], ["pld-num_tokens=3"], "LABEL.KEY=VALUE"),
+    (["pld", "pld"], [], "listed twice"),
+])
+def test_method_specs_reject_bad_input(labels, options, fragment):
+    with pytest.raises(SpeculaError) as err:
+        method_specs(labels, {}, options)
+    assert fragment in str(err.value)
+
+
+def test_bad_config_files(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[bench\n")
+    with pytest.raises(SpeculaError, match="not valid TOML"):
+        read_config(bad)
+    bad.write_text("[bench]\nspeed = 1\n")
+    with pytest.raises(SpeculaError, match="unknown \\[bench\\] key"):
+        read_config(bad)
+
+
+# ---------------------------------------------------------------- theory and profiles
+
+
+def test_lecture_formulas_match_its_table_4():
+    assert theory.expected_tokens(0.0, 5) == 1.0
+    assert theory.expected_tokens(1.0, 5) == 6.0
+    assert theory.expected_tokens(0.5, 2) == pytest.approx(1.75)
+    # Table 4 rows (task, draft, T, γ, α, c, EXP): ENDE T5-small 7/0.75/0.02 → 3.2, T5-large 7/0.82/0.11 → 2.5,
+    # CNNDM T5-base T=1 3/0.55/0.04 → 1.8.
+    assert round(theory.improvement_factor(0.75, 7, 0.02), 1) == 3.2
+    assert round(theory.improvement_factor(0.82, 7, 0.11), 1) == 2.5
+    assert round(theory.improvement_factor(0.55, 3, 0.04), 1) == 1.8
+    # More acceptance → longer best draft; costlier drafts → shorter.
+    assert theory.best_gamma(0.9, 0.05) > theory.best_gamma(0.6, 0.05) > theory.best_gamma(0.6, 0.3)
+    gamma = theory.best_gamma(0.8, 0.1)
+    assert all(theory.improvement_factor(0.8, gamma, 0.1) >= theory.improvement_factor(0.8, g, 0.1)
+               for g in range(1, 17))
+
+
+def test_verify_cost_curve_and_hardware_factor():
+    curve = {1: 1.0, 2: 1.0, 4: 2.0, 8: 4.0}
+    assert theory.verify_cost(curve, 3) == pytest.approx(1.5)
+    assert theory.verify_cost(curve, 16) == pytest.approx(8.0)  # extrapolates the last slope
+    assert theory.hardware_improvement(0.5, 3, 0.1, curve) == pytest.approx(theory.expected_tokens(0.5, 3) / 2.3)
+    assert theory.hardware_improvement(0.5, 3, 0.1) == pytest.approx(theory.improvement_factor(0.5, 3, 0.1))
+
+
+def test_tree_model():
+    # One child per node accepted with p: a chain, 1 + p + p^2 + ... tokens.
+    plan = theory.tree_plan([0.5], nodes=3, depth=5)
+    assert plan["nodes"] == 3 and plan["depth"] == 3 and plan["expected_tokens"] == pytest.approx(1.875)
+    # Two ranks: the best 3 nodes are both children of the root (0.6, 0.3) and the top grandchild (0.36).
+    plan = theory.tree_plan([0.6, 0.3], nodes=3, depth=5)
+    assert plan["expected_tokens"] == pytest.approx(1 + 0.6 + 0.36 + 0.3) and plan["top_k"] == 2
+    # With flat verification cost and free drafting, a chain's best tree is as long as allowed...
+    flat = {1: 1.0, 128: 1.0}
+    assert theory.best_tree([0.8], 0.0, flat, max_nodes=10, max_depth=10)["nodes"] == 10
+    # ...and matches best_gamma when drafting costs something.
+    best = theory.best_tree([0.8], 0.1, flat, max_nodes=16, max_depth=16)
+    assert best["nodes"] == theory.best_gamma(0.8, 0.1, flat)
+    # When nothing pays, draft nothing.
+    assert theory.best_tree([0.1], 1.0, {1: 1.0, 2: 2.0})["nodes"] == 0
+
+
+def test_profile_roundtrip_merge_and_device(tmp_path):
+    path = tmp_path / "profile-m.json"
+    base = {"target": "m", "device": "cpu", "dtype": "float32", "threads": 2, "target_step_s": 0.01,
+            "verify_cost_s": {"1": 0.01}}
+    save_profile({**base, "methods": {"sps": {"alpha": 0.7, "defaults": {"num_tokens": 3}}}}, path)
+    save_profile({**base, "methods": {"eagle2": {"defaults": {"total_tokens": 8, "depth": 4, "top_k": 2}}}}, path)
+    profile = load_profile("m", path)
+    assert set(profile["methods"]) == {"sps", "eagle2"}
+    assert profile_defaults(profile, "sps", "cpu") == {"num_tokens": 3}
+    assert profile_defaults(profile, "sps", "cuda:0") == {}
+    assert profile_defaults(profile, "pld", "cpu") == {}
+    path.write_text("{broken")
+    with pytest.raises(SpeculaError, match="cannot read hardware profile"):
+        load_profile("m", path)
+
+
+def test_default_profile_location(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECULA_CACHE_DIR", str(tmp_path))
+    assert load_profile("nothing-here") is None
+    save_profile({"target": "x", "device": "cpu", "methods": {"pld": {"defaults": {"num_tokens": 4}}}},
+                 tmp_path / "profile-x.json")
+    assert profile_defaults(load_profile("x"), "pld") == {"num_tokens": 4}
+
+
+# ---------------------------------------------------------------- the commands, end to end on stories260k
+
+
+def parser():
+    from specula.bench.cli import add_bench_parser, add_calibrate_parser
+    from specula.cli import ArgumentParser
+
+    p = ArgumentParser(prog="specula")
+    sub = p.add_subparsers(dest="command", required=True)
+    add_bench_parser(sub)
+    add_calibrate_parser(sub)
+    return p
+
+
+def run_command(*argv) -> int:
+    args = parser().parse_args([str(a) for a in argv])
+    return args.handler(args)
+
+
+@pytest.fixture
+def story_questions(tmp_path) -> Path:
+    return write_lines(tmp_path / "stories.jsonl", [
+        {"question_id": "lily", "category": "story", "turns": ["Once upon a time", "Then"]},
+        {"question_id": "tom", "category": "story", "prompt": "Tom and his dog went to the park"},
+    ])
+
+
+def bench_args(questions: Path, out: Path, *extra):
+    return ["bench", "--target", STORIES, "--methods", "vanilla,pld", "--data", questions,
+            "--max-new-tokens", 12, "--temperature", "0,1", "--threads", 1, "--dtype", "float32",
+            "--out", out, "--no-progress", "--no-profile", *extra]
+
+
+def test_bench_end_to_end_writes_every_output_and_resumes(tmp_path, story_questions, monkeypatch):
+    from specula.bench import suite
+
+    out = tmp_path / "out"
+    assert run_command(*bench_args(story_questions, out)) == 0
+    for name in ("results.json", "results.md", "speedup_tau.png", "acceptance_by_depth.png", "calibration.png"):
+        assert (out / name).is_file() and (out / name).stat().st_size > 0, name
+    results = json.loads((out / "results.json").read_text())
+    assert len(results["records"]) == 2 * 2 * 2  # questions × methods × temperatures
+    lily = next(r for r in results["records"] if r["question"] == "stories/lily" and r["method"] == "pld")
+    assert len(lily["turns"]) == 2 and lily["turns"][1]["prompt_tokens"] > lily["turns"][0]["prompt_tokens"]
+    overall = results["aggregates"]["0"]["pld"]["overall"]
+    assert overall["greedy_equal"] == 1.0 and overall["questions"] == 2
+    assert results["aggregates"]["0"]["vanilla"]["overall"]["tau"] == 1.0
+    table = (out / "results.md").read_text()
+    assert "| method | story | overall |" in table and "| pld |" in table and "1 threads" in table
+
+    # Resume: nothing left to do, so no question runs again...
+    def refuse(*args, **kwargs):
+        raise AssertionError("a finished record was run again")
+
+    monkeypatch.setattr(suite, "run_question", refuse)
+    assert run_command(*bench_args(story_questions, out)) == 0
+    # ...and after losing one record, exactly that one runs again.
+    lost = results["records"].pop(3)
+    (out / "results.json").write_text(json.dumps(results))
+    ran = []
+
+    def run_and_note(runner, spec, question, tokenizer, temperature, *rest):
+        ran.append((question.uid, spec.label, temperature))
+        return original(runner, spec, question, tokenizer, temperature, *rest)
+
+    original = _original_run_question
+    monkeypatch.setattr(suite, "run_question", run_and_note)
+    assert run_command(*bench_args(story_questions, out)) == 0
+    assert ran == [(lost["question"], lost["method"], lost["temperature"])]
+    assert len(json.loads((out / "results.json").read_text())["records"]) == 8
+
+
+def test_bench_refuses_to_mix_other_settings(tmp_path, story_questions):
+    out = tmp_path / "out"
+    out.mkdir()
+    earlier = {"settings": {"max_new_tokens": 99}, "records": [record("stories/tom", "vanilla", 1.0)]}
+    (out / "results.json").write_text(json.dumps(earlier))
+    with pytest.raises(SpeculaError, match="max_new_tokens=99"):
+        run_command(*bench_args(story_questions, out))
+
+
+def test_bench_bad_input_is_a_specula_error(tmp_path, story_questions):
+    with pytest.raises(SpeculaError, match="unknown method 'warp'"):
+        run_command("bench", "--target", STORIES, "--methods", "vanilla,warp", "--data", story_questions,
+                    "--out", tmp_path)
+    bad = write_lines(tmp_path / "bad.jsonl", [{"prompt": "ok"}, "{oops"])
+    with pytest.raises(SpeculaError, match="bad.jsonl:2"):
+        run_command("bench", "--target", STORIES, "--methods", "vanilla", "--data", bad, "--out", tmp_path)
+    with pytest.raises(SpeculaError, match="needs --out"):
+        run_command("bench", "--target", STORIES, "--methods", "vanilla", "--data", story_questions)
+    with pytest.raises(SpeculaError, match="temperature must be >= 0"):
+        run_command(*bench_args(story_questions, tmp_path, "--temperature", "-1"))
+
+
+def test_calibrate_on_stories260k(tmp_path, story_questions, capsys):
+    out = tmp_path / "profile.json"
+    code = run_command("calibrate", "--target", STORIES, "--method", "sps", "--draft", LLAMA2XS,
+                       "--option", "num_tokens=3", "--data", story_questions, "--prompts", 2,
+                       "--max-new-tokens", 12, "--repeats", 1, "--threads", 1, "--out", out)
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "EXP lecture" in printed and "best γ for chains" in printed
+    profile = load_profile("stories260k", out)
+    entry = profile["methods"]["sps"]
+    assert set(profile["verify_cost_s"]) >= {"1", "2", "4", "8"}
+    assert 0.0 <= entry["alpha"] <= 1.0 and entry["c"] > 0 and entry["measured_speedup"] > 0
+    assert entry["defaults"] == {"num_tokens": entry["best_gamma"]}
+    with pytest.raises(SpeculaError, match="cannot calibrate method 'vanilla'"):
+        run_command("calibrate", "--target", STORIES, "--method", "vanilla")
+
+
+def test_namespace_handlers_are_set():
+    p = parser()
+    for command in (["bench", "--out", "x"], ["calibrate", "--method", "pld"]):
+        assert callable(p.parse_args(command).handler)
+    assert isinstance(p.parse_args(["bench"]), argparse.Namespace)
