@@ -17,8 +17,9 @@ Draft entries are discarded from the head's cache after every cycle.
   nodes of the newest layer, and finally the `total_tokens` most valuable drafted
   nodes are kept (ties toward shallower nodes), which always form a connected tree.
 
-Drafts are chosen deterministically, so at temperature > 0 the acceptor treats
-them as point-mass proposals and the output stays exactly target-distributed.
+At temperature 0 children are the head's top-ranked tokens. At temperature > 0
+they are drawn i.i.d. from the head's distribution warped like the target's, and
+the acceptor's multi-round rule keeps the output exactly target-distributed.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 
 from specula.errors import SpeculaError
 from specula.heads.eagle_head import EagleHead
-from specula.sampling import SamplingParams
+from specula.sampling import SamplingParams, probabilities
 from specula.target import ForwardOutput, Target
 from specula.tree import DraftTree
 
@@ -49,6 +50,7 @@ class _Node:
     depth: int
     value: float  # log of the product of draft confidences on the path
     slot: int = -1  # row of this node's pair in the head cache block, once fed
+    q: torch.Tensor | None = None  # the distribution the token was sampled from (None: chosen by rank)
 
 
 class EagleDrafter:
@@ -89,6 +91,7 @@ class EagleDrafter:
 
     def propose(self, context: torch.Tensor, max_depth: int, params: SamplingParams,
                 generator: torch.Generator | None) -> DraftTree:
+        self._params, self._generator = params, generator
         # Catch up: pair each new feature f_i with t_{i+1}; the last pair ends with the root.
         count = self.pending.shape[0]
         start = self.cache.length
@@ -110,6 +113,20 @@ class EagleDrafter:
 
     def _log_probs(self, features: torch.Tensor) -> torch.Tensor:
         return self.head.token_log_probs(features, self.lm_head)
+
+    def _children(self, log_probs: torch.Tensor, count: int):
+        """``count`` child tokens per row of log_probs [rows, V]: (tokens, log-confidences, q or None).
+
+        Greedy decoding takes the top ``count``. At temperature > 0 the children are drawn i.i.d. from
+        the head's distribution warped like the target's (q), which the acceptor then accepts with
+        min(1, p/q): far more often than a point-mass top-k guess is accepted with p(x).
+        """
+        if self._params.greedy:
+            best = torch.topk(log_probs, count, dim=-1)
+            return best.indices, best.values, None
+        q = probabilities(log_probs, self._params)
+        tokens = torch.multinomial(q, count, replacement=True, generator=self._generator)
+        return tokens, torch.log(q.gather(-1, tokens)), q
 
     def _feed(self, nodes: list[_Node], frontier: list[int], parent_features: torch.Tensor,
               fed: list[int], committed: int) -> torch.Tensor:
@@ -136,26 +153,30 @@ class EagleDrafter:
     def _grow(self, root_feature: torch.Tensor, depth: int) -> list[_Node]:
         """EAGLE-2: expand the most valuable nodes layer by layer, then keep the best ``total_tokens``."""
         committed = self.cache.length
-        log_probs = self._log_probs(root_feature)[0]
-        best = torch.topk(log_probs, self.top_k)
-        nodes = [_Node(int(t), -1, 1, float(v)) for v, t in zip(best.values, best.indices, strict=True)]
+        tokens, confidences, q = self._children(self._log_probs(root_feature), self.top_k)
+        nodes = [_Node(int(t), -1, 1, float(v), q=None if q is None else q[0])
+                 for v, t in zip(confidences[0], tokens[0], strict=True)]
         frontier = list(range(len(nodes)))
         frontier_inputs = root_feature.expand(len(frontier), -1)
         fed: list[int] = []
         for _ in range(depth - 1):
             predicted = self._feed(nodes, frontier, frontier_inputs, fed, committed)
-            children = torch.topk(self._log_probs(predicted), self.top_k, dim=-1)
-            values = torch.tensor([nodes[i].value for i in frontier], device=children.values.device)
-            totals = (values[:, None] + children.values).flatten()
+            tokens, confidences, q = self._children(self._log_probs(predicted), self.top_k)
+            values = torch.tensor([nodes[i].value for i in frontier], device=confidences.device)
+            totals = (values[:, None] + confidences).flatten()
             first_child = len(nodes)
             for row, parent in enumerate(frontier):
                 for col in range(self.top_k):
-                    nodes.append(_Node(int(children.indices[row, col]), parent, nodes[parent].depth + 1,
-                                       float(totals[row * self.top_k + col])))
+                    nodes.append(_Node(int(tokens[row, col]), parent, nodes[parent].depth + 1,
+                                       float(totals[row * self.top_k + col]), q=None if q is None else q[row]))
             # Only the top_k most valuable new nodes are expanded further.
             chosen = torch.topk(totals, self.top_k).indices.tolist()
             frontier = [first_child + c for c in chosen]
             frontier_inputs = predicted[[c // self.top_k for c in chosen]]
+        if not self._params.greedy:
+            # Sampled siblings must stay i.i.d. draws from q for the acceptor to be lossless, so none may
+            # be dropped for its value: keep nodes in creation order (sample order within siblings).
+            return _subset(nodes, list(range(min(len(nodes), self.total_tokens))))
         # Rerank: a child's value never exceeds its parent's, so the best nodes (ties: shallower first)
         # include every kept node's ancestors.
         order = sorted(range(len(nodes)), key=lambda i: (-nodes[i].value, nodes[i].depth, i))
@@ -173,14 +194,14 @@ class EagleDrafter:
             parents = sorted({p[:-1] for p in paths if len(p) == level and p[:-1] in features})
             if not parents:
                 break
-            log_probs = self._log_probs(torch.stack([features[p] for p in parents]))
-            ranked = torch.argsort(log_probs, dim=-1, descending=True)
+            widest = 1 + max(p[-1] for p in paths if len(p) == level)
+            ranked, _, q = self._children(self._log_probs(torch.stack([features[p] for p in parents])), widest)
             new = []
             for row, parent in enumerate(parents):
                 for path in (p for p in paths if len(p) == level and p[:-1] == parent):
                     token = int(ranked[row, path[-1]])
                     index_of[path] = len(nodes)
-                    nodes.append(_Node(token, index_of.get(parent, -1), level, 0.0))
+                    nodes.append(_Node(token, index_of.get(parent, -1), level, 0.0, q=None if q is None else q[row]))
                     new.append(path)
             if level < depth and any(len(p) > level for p in paths):
                 expandable = [p for p in new if any(q[:level] == p and len(q) > level for q in paths)]
@@ -195,10 +216,14 @@ def _subset(nodes: list[_Node], keep: list[int]) -> list[_Node]:
     """The kept nodes in depth order with parents re-indexed (every kept node's parent is kept)."""
     keep = sorted(keep, key=lambda i: (nodes[i].depth, i))
     new_index = {old: new for new, old in enumerate(keep)}
-    return [_Node(nodes[i].token, new_index.get(nodes[i].parent, -1), nodes[i].depth, nodes[i].value) for i in keep]
+    return [_Node(nodes[i].token, new_index.get(nodes[i].parent, -1), nodes[i].depth, nodes[i].value, q=nodes[i].q)
+            for i in keep]
 
 
 def _as_tree(root: int, nodes: list[_Node], device: torch.device) -> DraftTree:
     """DraftTree with the root as node 0 and drafted node i as node i + 1 (parents come first)."""
     tokens = torch.tensor([root] + [n.token for n in nodes], dtype=torch.long, device=device)
-    return DraftTree(tokens, [-1] + [n.parent + 1 for n in nodes])
+    draft_probs = None
+    if nodes and nodes[0].q is not None:
+        draft_probs = torch.stack([torch.zeros_like(nodes[0].q)] + [n.q for n in nodes])
+    return DraftTree(tokens, [-1] + [n.parent + 1 for n in nodes], draft_probs)
