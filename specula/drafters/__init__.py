@@ -11,7 +11,7 @@ from specula.drafters.vanilla import VanillaDrafter
 from specula.errors import SpeculaError
 from specula.target import Target
 
-METHODS = ("vanilla", "sps", "pld", "eagle", "eagle2")
+METHODS = ("vanilla", "sps", "pld", "eagle", "eagle2", "medusa")
 
 
 def build_drafter(method: str, target: Target, draft: str | None = None, dtype: str = "auto",
@@ -36,6 +36,12 @@ def build_drafter(method: str, target: Target, draft: str | None = None, dtype: 
             raise SpeculaError(f"method {method} needs --draft HEAD_DIR, a trained EAGLE head for this target")
         head = EagleHead.from_pretrained(draft, dtype=target.dtype, device=target.device)
         return EagleDrafter(target, head, dynamic=method == "eagle2", **options)
+    if method == "medusa":
+        from specula.drafters.medusa import build_medusa_drafter
+
+        if not draft:
+            raise SpeculaError("method medusa needs --draft HEAD_DIR, trained Medusa heads for this target")
+        return build_medusa_drafter(target, draft, **options)
     raise SpeculaError(f"unknown method '{method}'; choose one of {', '.join(METHODS)}")
 
 

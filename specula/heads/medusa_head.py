@@ -1,0 +1,229 @@
+"""Medusa heads (Medusa-1 paper): K small heads that read the target's last hidden state.
+
+Head k (k = 1..K) reads the final post-norm hidden state h_t of the newest token
+the target has processed and predicts the token k steps after the target's own
+next token t+1, i.e. token t+k+1:
+
+    p_k = softmax(W2_k · B_k(h_t)),   B = blocks applied in turn, each x ↦ x + SiLU(W1 x + b1)
+
+With one block this is the paper's softmax(W2 · (SiLU(W1 · h) + h)). Every block
+of every head has its own weights; W2_k is a bias-free H→V projection.
+
+Checkpoints use the published Medusa layout: a directory with `config.json`
+(`medusa_num_heads`, `medusa_num_layers`, `base_model_name_or_path`, and here also
+`hidden_size` and `vocab_size`) and the state dict of the head list in
+`medusa_lm_head.safetensors` (what Medusa's trainer and TGI read and write) or
+`medusa_lm_head.pt` (the original loader's torch pickle), keys
+
+    {k}.{b}.linear.weight [H, H], {k}.{b}.linear.bias [H]   block b < L of head k (0-based)
+    {k}.{L}.weight [V, H]                                    the vocabulary projection
+
+A whole-model `model.safetensors` whose head tensors carry the module prefix
+`medusa_head.` loads too (its base-model tensors are ignored).
+
+Loading follows the published checkpoints rather than their configs where the two
+disagree, as the original loader effectively must: released configs say 2 heads
+for weights holding 5, so the number of heads and of blocks is read from the
+tensor names, and config values that disagree are ignored. Anything else that
+does not fit — a head or block with tensors missing, unknown tensors, shapes that
+disagree with each other or with the config's hidden/vocabulary size — is a
+SpeculaError; so is a head that does not fit the target (checked by the drafter).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specula.errors import SpeculaError
+from specula.heads.eagle_head import _atomic_write
+
+WEIGHT_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt", "model.safetensors")
+PREFIX = "medusa_head."
+_KEY = re.compile(r"^(\d+)\.(\d+)\.(linear\.weight|linear\.bias|weight)$")
+
+
+class ResBlock(nn.Module):
+    """x + SiLU(W x + b), [.., H] → [.., H]."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.silu(self.linear(x))
+
+
+class MedusaHeads(nn.Module):
+    """K Medusa heads over hidden size H and vocabulary V; ``medusa_head[k]`` is head k + 1 of the paper."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, num_heads: int, num_layers: int = 1,
+                 base_model_name_or_path: str = ""):
+        super().__init__()
+        if min(hidden_size, vocab_size, num_heads) < 1 or num_layers < 0:
+            raise SpeculaError(f"Medusa heads need hidden size, vocabulary and head count >= 1 and blocks >= 0, "
+                               f"got {hidden_size}, {vocab_size}, {num_heads}, {num_layers}")
+        self.hidden_size, self.vocab_size = hidden_size, vocab_size
+        self.num_heads, self.num_layers = num_heads, num_layers
+        self.base_model_name_or_path = base_model_name_or_path
+        self.medusa_head = nn.ModuleList(
+            nn.Sequential(*[ResBlock(hidden_size) for _ in range(num_layers)],
+                          nn.Linear(hidden_size, vocab_size, bias=False))
+            for _ in range(num_heads)
+        )
+
+    @classmethod
+    def for_target(cls, target, num_heads: int = 4, num_layers: int = 1, base_model_name_or_path: str = ""
+                   ) -> MedusaHeads:
+        """Fresh heads for a `Target`, initialised as Medusa does: every vocabulary projection is a copy of
+        the target's LM head, and every block starts as the identity (zero weight and bias), so each head
+        first predicts what the LM head predicts and training only has to learn the shift."""
+        lm_head = target.model.get_output_embeddings().weight
+        heads = cls(int(lm_head.shape[1]), int(lm_head.shape[0]), num_heads, num_layers,
+                    base_model_name_or_path or getattr(target, "name", ""))
+        heads.init_from_lm_head(lm_head)
+        return heads
+
+    @torch.no_grad()
+    def init_from_lm_head(self, weight: torch.Tensor) -> None:
+        if tuple(weight.shape) != (self.vocab_size, self.hidden_size):
+            raise SpeculaError(f"LM head of shape {tuple(weight.shape)} does not fit Medusa heads of hidden size "
+                               f"{self.hidden_size} and vocabulary {self.vocab_size}")
+        for head in self.medusa_head:
+            head[-1].weight.copy_(weight)
+            for block in list(head)[:-1]:
+                block.linear.weight.zero_()
+                block.linear.bias.zero_()
+
+    def forward(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
+        """Logits [K', .., V] of the first K' = ``num_heads`` (default all) heads from hidden states [.., H]."""
+        heads = self.medusa_head if num_heads is None else self.medusa_head[:num_heads]
+        return torch.stack([head(hidden) for head in heads])
+
+    @property
+    def config(self) -> dict:
+        return {"medusa_num_heads": self.num_heads, "medusa_num_layers": self.num_layers,
+                "base_model_name_or_path": self.base_model_name_or_path, "hidden_size": self.hidden_size,
+                "vocab_size": self.vocab_size}
+
+    # ---------------------------------------------------------------- checkpoints (published layout)
+
+    def save_pretrained(self, directory: str | Path, weights: str = "safetensors") -> None:
+        """Write config.json and ``medusa_lm_head.safetensors`` (or ``.pt`` with weights="pt") atomically."""
+        if weights not in ("safetensors", "pt"):
+            raise SpeculaError(f"Medusa weights are saved as safetensors or pt, not '{weights}'")
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().contiguous().cpu() for k, v in self.medusa_head.state_dict().items()}
+        if weights == "safetensors":
+            from safetensors.torch import save_file
+
+            write = lambda path: save_file(state, path)  # noqa: E731
+        else:
+            write = lambda path: torch.save(state, path)  # noqa: E731
+        dtype = str(next(self.parameters()).dtype).removeprefix("torch.")
+        config = dict(self.config, torch_dtype=dtype)
+        _atomic_write(directory / f"medusa_lm_head.{weights}", write)
+        _atomic_write(directory / "config.json", lambda path: Path(path).write_text(json.dumps(config, indent=2)))
+        # The other format, left by an earlier save, would shadow these weights when loading.
+        other = "pt" if weights == "safetensors" else "safetensors"
+        (directory / f"medusa_lm_head.{other}").unlink(missing_ok=True)
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, dtype: torch.dtype | None = None,
+                        device: str | torch.device = "cpu") -> MedusaHeads:
+        directory = Path(directory)
+        if not directory.is_dir():
+            raise SpeculaError(f"Medusa head directory not found: {directory}")
+        config = _read_config(directory)
+        state, source = _read_weights(directory)
+        heads = _layout(state, source)
+        num_heads, num_layers = len(heads), len(heads[0]) - 1
+        hidden, vocab = (int(n) for n in heads[0][-1]["weight"].shape[::-1])
+        for key, value in (("hidden_size", hidden), ("vocab_size", vocab)):
+            if key in config and config[key] != value:
+                raise SpeculaError(f"{source} holds Medusa heads of {key} {value} but its config says {config[key]}")
+        model = cls(hidden, vocab, num_heads, num_layers, str(config.get("base_model_name_or_path", "")))
+        expected = model.medusa_head.state_dict()
+        for name, tensor in state.items():
+            if tuple(tensor.shape) != tuple(expected[name].shape):
+                raise SpeculaError(f"Medusa tensor {name} in {source} has shape {tuple(tensor.shape)}; "
+                                   f"heads of hidden size {hidden} and vocabulary {vocab} need "
+                                   f"{tuple(expected[name].shape)}")
+        model.medusa_head.load_state_dict(state)
+        return model.to(device=device, dtype=dtype or heads[0][-1]["weight"].dtype).eval()
+
+
+def _read_config(directory: Path) -> dict:
+    """config.json (optional: the tensors tell everything needed to run the heads)."""
+    file = directory / "config.json"
+    if not file.is_file():
+        return {}
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise SpeculaError(f"Medusa config {file} is not valid JSON: {err}") from err
+    if not isinstance(config, dict):
+        raise SpeculaError(f"Medusa config {file} is not a JSON object")
+    return config
+
+
+def _read_weights(directory: Path) -> tuple[dict[str, torch.Tensor], Path]:
+    """The head tensors with keys ``{k}.{b}...`` (module prefix removed, base-model tensors dropped)."""
+    file = next((directory / name for name in WEIGHT_FILES if (directory / name).is_file()), None)
+    if file is None:
+        raise SpeculaError(f"{directory} holds no Medusa weights (looked for {', '.join(WEIGHT_FILES)})")
+    try:
+        if file.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            state = load_file(str(file))
+        else:
+            state = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as err:  # corrupt files raise anything from pickle, zip or safetensors
+        raise SpeculaError(f"cannot read Medusa weights {file}: {str(err).splitlines()[0] if str(err) else err}"
+                           ) from err
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise SpeculaError(f"{file} is not a state dict of tensors")
+    if any(k.startswith(PREFIX) for k in state):
+        state = {k[len(PREFIX):]: v for k, v in state.items() if k.startswith(PREFIX)}
+    return state, file
+
+
+def _layout(state: dict[str, torch.Tensor], source: Path) -> list[list[dict[str, torch.Tensor]]]:
+    """heads[k][b] = tensors of block b of head k; the last entry of each head is its projection."""
+    if not state:
+        raise SpeculaError(f"{source} holds no Medusa head tensors")
+    unknown = sorted(k for k in state if not _KEY.match(k))
+    if unknown:
+        raise SpeculaError(f"{source} holds tensors that are not Medusa head tensors: {unknown[:4]}")
+    parts: dict[int, dict[int, dict[str, torch.Tensor]]] = {}
+    for key, tensor in state.items():
+        head, part, name = _KEY.match(key).groups()
+        parts.setdefault(int(head), {}).setdefault(int(part), {})[name.removeprefix("linear.")] = tensor
+    count = max(parts) + 1
+    missing = [k for k in range(count) if k not in parts]
+    if missing:
+        raise SpeculaError(f"{source} lacks the tensors of Medusa heads {missing} (it holds heads up to {count - 1})")
+    heads = []
+    for k in range(count):
+        layers = max(parts[k])  # the projection follows the blocks: index L of a head with L blocks
+        if set(parts[k][layers]) != {"weight"}:
+            raise SpeculaError(f"Medusa head {k} in {source} has no vocabulary projection {k}.{layers}.weight "
+                               f"after its blocks")
+        blocks = []
+        for b in range(layers):
+            tensors = parts[k].get(b, {})
+            if set(tensors) != {"weight", "bias"}:
+                raise SpeculaError(f"Medusa head {k} in {source} lacks {k}.{b}.linear.weight/bias")
+            blocks.append(tensors)
+        heads.append([*blocks, parts[k][layers]])
+    if len({len(h) for h in heads}) != 1:
+        raise SpeculaError(f"Medusa heads in {source} have different numbers of blocks: "
+                           f"{[len(h) - 1 for h in heads]}")
+    return heads

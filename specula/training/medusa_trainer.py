@@ -1,0 +1,276 @@
+"""Training Medusa heads (Medusa-1: the target stays frozen, only the heads learn) and sizing their tree.
+
+Loss. For a sample with tokens t_0..t_{T-1} and the target's final post-norm
+hidden states h_0..h_{T-1}, head k (k = 1..K) reads h_i and predicts t_{i+k+1}:
+
+    L = Σ_k λ_k · CE(head_k(h_i), t_{i+k+1}),   λ_k = decay^(k-1), decay = 0.8 (Medusa's 0.8^k)
+
+over the positions whose predicted token is a response token. The sum of every
+head's cross-entropies is divided by the number of positions of head 1 (deeper
+heads have at most k - 1 fewer per sample), so the loop's per-token
+normalisation applies. On self-distilled data t_{i+k+1} is the target's own
+choice, so the hard labels are what the heads must guess at decoding time.
+
+Initialisation (Medusa's): every head's vocabulary projection starts as a copy
+of the target's LM head and every residual block as the identity, so each head
+starts out predicting the target's next token; the projection is trained (it is
+the head's own copy, the target's stays frozen). Everything else — batching,
+Accelerate, checkpoints, exact resume — is `specula.training.loop.run_training`.
+
+Evaluation (each epoch, held-out samples): each head's top-1 and top-5 accuracy
+and the τ of greedy `medusa` decoding with the default tree. At the end the
+held-out per-rank accuracies size a tree for the node budget (`build_choices`),
+written beside the heads as `medusa_choices.json`, which `medusa` then uses;
+`specula train medusa-tree` rebuilds it for another budget or other data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from specula.drafters.medusa import CHOICES_FILE, DEFAULT_CHOICES, build_choices, expected_accepted
+from specula.errors import SpeculaError
+from specula.heads.eagle_head import _atomic_write
+from specula.heads.medusa_head import MedusaHeads
+from specula.target import FeatureRequest, Target
+from specula.training.loop import TrainConfig, run_training
+
+DECAY = 0.8
+TREE_NODES = 15  # candidates of the built tree (the root not counted), the size of DEFAULT_CHOICES
+TREE_TOP_K = 10  # ranks measured per head
+
+
+def head_targets(ids: torch.Tensor, valid: torch.Tensor, response: torch.Tensor, num_heads: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mask, tokens), both [K, B, T]: whether head k + 1 trains at position i, and the token t_{i+k+2} it predicts."""
+    batch, length = ids.shape
+    mask = torch.zeros(num_heads, batch, length, dtype=torch.bool, device=ids.device)
+    tokens = torch.zeros(num_heads, batch, length, dtype=ids.dtype, device=ids.device)
+    for k in range(num_heads):
+        offset = k + 2
+        if length > offset:
+            mask[k, :, :-offset] = valid[:, offset:] & response[:, offset:]
+            tokens[k, :, :-offset] = ids[:, offset:]
+    return mask, tokens
+
+
+def medusa_loss(num_heads: int, decay: float = DECAY):
+    """The loss function for `run_training`: batch has input_ids, loss_mask, hidden, valid."""
+    weights = [decay ** k for k in range(num_heads)]
+
+    def loss_fn(heads: MedusaHeads, batch: dict[str, torch.Tensor]):
+        mask, tokens = head_targets(batch["input_ids"], batch["valid"], batch["loss_mask"].bool(), num_heads)
+        trained = mask.any(0)  # positions where at least one head has a target: only they go through the heads
+        dtype = next(heads.parameters()).dtype  # heads may be wrapped for data parallelism
+        logits = heads(batch["hidden"][trained].to(dtype)).float()  # [K, N, V]
+        loss_sum = logits.new_zeros(())
+        metrics = {}
+        for k in range(num_heads):
+            rows = mask[k][trained]
+            wanted = tokens[k][trained][rows]
+            loss_sum = loss_sum + weights[k] * F.cross_entropy(logits[k][rows], wanted, reduction="sum")
+            with torch.no_grad():
+                hits = (logits[k][rows].argmax(-1) == wanted).float()
+                metrics[f"top1_head{k + 1}"] = hits.mean() if hits.numel() else hits.new_zeros(())
+        return loss_sum, int(mask[0].sum()), metrics
+
+    return loss_fn
+
+
+@torch.no_grad()
+def rank_accuracy(heads: MedusaHeads, samples, top_k: int = TREE_TOP_K) -> torch.Tensor:
+    """[K, top_k] float64: the fraction of response positions where head k + 1's rank-r token is the right one.
+
+    Samples are dicts with input_ids [T], loss_mask [T] and the target's hidden [T, H]; on the
+    target's own greedy continuations the right token is the one the target decodes.
+    """
+    heads = heads.eval()
+    param = next(heads.parameters())
+    top_k = min(top_k, heads.vocab_size)
+    hits = torch.zeros(heads.num_heads, top_k, dtype=torch.float64)
+    tried = torch.zeros(heads.num_heads, dtype=torch.float64)
+    for sample in samples:
+        ids, response = sample["input_ids"].to(param.device), sample["loss_mask"].bool().to(param.device)
+        valid = torch.ones_like(response)
+        mask, tokens = head_targets(ids[None], valid[None], response[None], heads.num_heads)
+        ranked = torch.topk(heads(sample["hidden"].to(param.device, param.dtype)), top_k, dim=-1).indices
+        for k in range(heads.num_heads):
+            rows = mask[k, 0]
+            hits[k] += (ranked[k][rows] == tokens[k, 0][rows][:, None]).sum(0).double().cpu()
+            tried[k] += int(rows.sum())
+    return hits / tried.clamp(min=1.0)[:, None]
+
+
+def medusa_tau(heads: MedusaHeads, target: Target, samples, choices=None, max_new_tokens: int = 48) -> float:
+    """Mean tokens per cycle of greedy `medusa` decoding from the prompts of held-out samples."""
+    from specula.decoding import generate_tokens
+    from specula.drafters.medusa import MedusaDrafter
+    from specula.sampling import SamplingParams
+
+    drafter = MedusaDrafter(target, copy.deepcopy(heads).eval(), choices)
+    taus = []
+    for sample in samples:
+        prompt_length = int(sample["loss_mask"].long().argmax())  # the response starts at the first True
+        if prompt_length == 0:
+            continue
+        _, stats = generate_tokens(target, drafter, sample["input_ids"][:prompt_length], max_new_tokens,
+                                   SamplingParams())
+        taus.append(stats.tau)
+    return sum(taus) / len(taus) if taus else 0.0
+
+
+def write_tree(path: Path, heads: MedusaHeads, samples, nodes: int = TREE_NODES, top_k: int = TREE_TOP_K) -> dict:
+    """Measure rank accuracies on ``samples``, build the ``nodes``-candidate tree and write it as JSON."""
+    accuracy = rank_accuracy(heads, samples, top_k)
+    choices = build_choices(accuracy, nodes)
+    report = {"choices": choices, "nodes": len(choices),
+              "expected_accepted": round(expected_accepted(choices, accuracy), 4),
+              "accuracy": [[round(a, 4) for a in row] for row in accuracy.tolist()],
+              "measured_on_samples": len(samples)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(report, indent=1)))
+    return report
+
+
+@dataclass(frozen=True)
+class MedusaTrainOptions:
+    num_heads: int = 4
+    num_layers: int = 1
+    decay: float = DECAY
+    eval_samples: int = 16  # held-out samples for the per-epoch accuracies
+    tau_prompts: int = 4  # of those, prompts decoded with medusa for tau
+    tree_nodes: int = TREE_NODES
+    tree_top_k: int = TREE_TOP_K
+    base_model_name_or_path: str = ""  # recorded in config.json (default: the target's directory name)
+
+
+def train_medusa(target: Target, train_set, eval_set, out: Path, config: TrainConfig,
+                 options: MedusaTrainOptions = MedusaTrainOptions(), resume: bool = False, log=print) -> list[dict]:
+    """Train fresh Medusa heads for ``target`` on cached feature samples; writes them (and their tree) to ``out``."""
+    if options.num_heads < 1 or options.num_layers < 0:
+        raise SpeculaError("Medusa training needs at least one head and zero or more blocks per head")
+    if not 0.0 < options.decay <= 1.0:
+        raise SpeculaError(f"the Medusa loss decay must be in (0, 1], got {options.decay}")
+    torch.manual_seed(config.seed)
+    heads = MedusaHeads.for_target(target, options.num_heads, options.num_layers, options.base_model_name_or_path)
+    heads = heads.float().to(target.device)
+    default_tree = [p for p in DEFAULT_CHOICES if len(p) <= options.num_heads]
+
+    def held_out() -> list:
+        return [eval_set[i] for i in range(min(len(eval_set), options.eval_samples))]
+
+    def evaluate(model: MedusaHeads, epoch: int) -> dict:
+        subset = held_out()
+        accuracy = rank_accuracy(model, subset, top_k=5)
+        report = {}
+        for k, row in enumerate(accuracy.tolist()):
+            report[f"head{k + 1}_top1"] = round(row[0], 4)
+            report[f"head{k + 1}_top5"] = round(sum(row), 4)
+        report["medusa_tau"] = round(medusa_tau(model, target, subset[: options.tau_prompts], default_tree), 3)
+        return report
+
+    history = run_training(heads, train_set, medusa_loss(options.num_heads, options.decay), config, out,
+                           save_head=lambda model, directory: model.save_pretrained(directory),
+                           keys=("input_ids", "loss_mask", "hidden"), resume=resume,
+                           evaluate=evaluate if len(eval_set) else None, log=log)
+    if len(eval_set) and int(os.environ.get("RANK", "0")) == 0:  # one process writes the tree
+        report = write_tree(out / CHOICES_FILE, heads, held_out(), options.tree_nodes, options.tree_top_k)
+        log(f"tree of {report['nodes']} candidates, {report['expected_accepted']} expected accepted drafts per "
+            f"cycle, written to {out / CHOICES_FILE}")
+    return history
+
+
+# ---------------------------------------------------------------- command line (wired in by specula.cli)
+
+
+def add_train_medusa_parser(trainers: argparse._SubParsersAction) -> None:
+    """Register `specula train medusa` and `specula train medusa-tree` on the `train` subcommand's subparsers."""
+    from specula.cli import add_data_arguments, positive_int
+
+    p = trainers.add_parser("medusa", help="train Medusa heads (Medusa-1, frozen target) by self-distillation",
+                            description="Train Medusa heads for a target; they serve --method medusa.")
+    add_data_arguments(p)
+    p.add_argument("--num-heads", type=positive_int, default=4, help="heads, i.e. tree depth (default: %(default)s)")
+    p.add_argument("--num-layers", type=int, default=1, help="residual blocks per head (default: %(default)s)")
+    p.add_argument("--decay", type=float, default=DECAY,
+                   help="loss weight of head k is decay^(k-1) (default: %(default)s)")
+    p.add_argument("--tree-nodes", type=positive_int, default=TREE_NODES,
+                   help="candidates of the tree built from held-out accuracies (default: %(default)s)")
+    p.set_defaults(handler=run_train_medusa)
+    add_medusa_tree_parser(trainers)
+
+
+def run_train_medusa(args: argparse.Namespace) -> int:
+    from specula.cli import training_inputs
+
+    if args.num_layers < 0:
+        raise SpeculaError(f"--num-layers must be >= 0, got {args.num_layers}")
+    if not 0.0 < args.decay <= 1.0:
+        raise SpeculaError(f"--decay must be in (0, 1], got {args.decay}")
+    target, train_set, eval_set, config = training_inputs(args, FeatureRequest(final_hidden=True))
+    options = MedusaTrainOptions(num_heads=args.num_heads, num_layers=args.num_layers, decay=args.decay,
+                                 tree_nodes=args.tree_nodes, base_model_name_or_path=str(args.target))
+    train_medusa(target, train_set, eval_set, args.out, config, options, resume=args.resume,
+                 log=lambda message: print(message, file=sys.stderr))
+    print(f"Medusa heads written to {args.out}", file=sys.stderr)
+    return 0
+
+
+def add_medusa_tree_parser(trainers: argparse._SubParsersAction) -> None:
+    from specula.api import DEFAULT_TARGET
+    from specula.cli import DTYPE_CHOICES, device_name, positive_int
+
+    p = trainers.add_parser("medusa-tree", help="build a Medusa tree for a node budget from measured head accuracies",
+                            description="Measure each Medusa head's per-rank accuracy on the target's own "
+                                        "continuations of held-out prompts and keep the most probable paths.")
+    p.add_argument("--target", type=Path, default=DEFAULT_TARGET, metavar="DIR",
+                   help="target model directory (default: the bundled %(default)s)")
+    p.add_argument("--draft", type=Path, required=True, metavar="HEAD_DIR", help="the Medusa heads")
+    p.add_argument("--data", type=Path, required=True, metavar="FILE",
+                   help="held-out JSONL records (the formats `specula train` reads)")
+    p.add_argument("--nodes", type=positive_int, default=TREE_NODES,
+                   help="candidates in the tree, root not counted (default: %(default)s)")
+    p.add_argument("--top-k", type=positive_int, default=TREE_TOP_K, help="ranks measured per head")
+    p.add_argument("--samples", type=positive_int, default=64, help="records measured (default: %(default)s)")
+    p.add_argument("--out", type=Path, metavar="FILE", help=f"where the tree goes (default: HEAD_DIR/{CHOICES_FILE})")
+    p.add_argument("--cache-dir", type=Path, metavar="DIR", help="keep the regenerated samples here")
+    p.add_argument("--no-regenerate", action="store_true", help="measure on the data's own responses")
+    p.add_argument("--gen-max-new-tokens", type=positive_int, default=256, metavar="N")
+    p.add_argument("--gen-batch-size", type=positive_int, default=16, metavar="N")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32")
+    p.add_argument("--device", type=device_name, default="cpu")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(handler=run_medusa_tree)
+
+
+def run_medusa_tree(args: argparse.Namespace) -> int:
+    from specula.drafters.medusa import check_heads_fit
+    from specula.training.data import OnlineFeatures, prepare_samples, read_records
+
+    if not args.data.is_file():
+        raise SpeculaError(f"data file not found: {args.data}")
+    records = read_records(args.data)[: args.samples]
+    target = Target.load(args.target, dtype=args.dtype, device=args.device)
+    heads = MedusaHeads.from_pretrained(args.draft, dtype=target.dtype, device=target.device)
+    check_heads_fit(target, heads)
+    log = lambda message: print(message, file=sys.stderr)  # noqa: E731
+    samples = prepare_samples(target, records, cache_dir=args.cache_dir, regenerate=not args.no_regenerate,
+                              max_new_tokens=args.gen_max_new_tokens, batch_size=args.gen_batch_size,
+                              seed=args.seed, log=log)
+    samples = [s for s in samples if bool(s.loss_mask.any())]
+    if not samples:
+        raise SpeculaError(f"no record of {args.data} has a response to measure the heads on")
+    out = args.out or args.draft / CHOICES_FILE
+    report = write_tree(out, heads, OnlineFeatures(target, samples, FeatureRequest(final_hidden=True)),
+                        args.nodes, args.top_k)
+    print(json.dumps({**report, "out": str(out)}))
+    return 0
