@@ -66,3 +66,29 @@ def tiny_model(family: str, seed: int = 0, **overrides):
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(family, **overrides), attn_implementation="sdpa")
     return model.float().eval()
+
+
+@pytest.fixture(scope="session")
+def stories_target():
+    from specula.target import Target
+
+    return Target.load(STORIES, dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def stories_samples(stories_target):
+    """Greedy self-distilled continuations of the story prompts with the target's final features."""
+    import specula
+    from specula.target import FeatureRequest
+
+    speculator = specula.load(STORIES, method="vanilla", dtype="float32")
+    samples = []
+    for prompt in STORY_PROMPTS:
+        prompt_ids = speculator.encode(prompt)
+        result = speculator.generate(prompt_ids, max_new_tokens=60)
+        ids = torch.cat([prompt_ids, torch.tensor(result.token_ids)])
+        mask = torch.zeros(len(ids), dtype=torch.bool)
+        mask[len(prompt_ids):] = True
+        hidden = stories_target.prefill(ids, FeatureRequest(final_hidden=True)).hidden
+        samples.append({"input_ids": ids, "loss_mask": mask, "hidden": hidden})
+    return samples

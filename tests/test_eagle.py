@@ -13,30 +13,8 @@ import specula
 from specula.drafters.eagle import EagleDrafter
 from specula.errors import SpeculaError
 from specula.heads.eagle_head import EagleHead
-from specula.target import FeatureRequest, Target
 from specula.training.eagle_trainer import train_eagle
 from specula.training.loop import TrainConfig
-
-
-@pytest.fixture(scope="module")
-def stories_target() -> Target:
-    return Target.load(STORIES, dtype="float32")
-
-
-@pytest.fixture(scope="module")
-def stories_samples(stories_target):
-    """Greedy self-distilled continuations of the story prompts with their features."""
-    speculator = specula.load(STORIES, method="vanilla", dtype="float32")
-    samples = []
-    for prompt in STORY_PROMPTS:
-        prompt_ids = speculator.encode(prompt)
-        result = speculator.generate(prompt_ids, max_new_tokens=60)
-        ids = torch.cat([prompt_ids, torch.tensor(result.token_ids)])
-        mask = torch.zeros(len(ids), dtype=torch.bool)
-        mask[len(prompt_ids):] = True
-        hidden = stories_target.prefill(ids, FeatureRequest(final_hidden=True)).hidden
-        samples.append({"input_ids": ids, "loss_mask": mask, "hidden": hidden})
-    return samples
 
 
 @pytest.fixture(scope="module")

@@ -4,15 +4,14 @@ training, tree building and bad input."""
 from __future__ import annotations
 
 import json
-from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
+import test_lossless_sampling as lossless
 import torch
 import torch.nn.functional as F
 from conftest import STORIES, STORY_PROMPTS
-from scipy import stats
 
 import specula
 from specula.acceptance import Acceptor
@@ -29,8 +28,8 @@ from specula.drafters.medusa import (
 )
 from specula.errors import SpeculaError
 from specula.heads.medusa_head import MedusaHeads
-from specula.sampling import SamplingParams, probabilities
-from specula.target import FeatureRequest, Target
+from specula.sampling import SamplingParams
+from specula.target import Target
 from specula.training.loop import TrainConfig
 from specula.training.medusa_trainer import MedusaTrainOptions, add_train_medusa_parser, train_medusa
 from specula.tree import DraftTree
@@ -43,27 +42,6 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def stories_target() -> Target:
-    return Target.load(STORIES, dtype="float32")
-
-
-@pytest.fixture(scope="module")
-def stories_samples(stories_target):
-    """Greedy self-distilled continuations of the story prompts with the target's final features."""
-    speculator = specula.load(STORIES, method="vanilla", dtype="float32")
-    samples = []
-    for prompt in STORY_PROMPTS:
-        prompt_ids = speculator.encode(prompt)
-        result = speculator.generate(prompt_ids, max_new_tokens=60)
-        ids = torch.cat([prompt_ids, torch.tensor(result.token_ids)])
-        mask = torch.zeros(len(ids), dtype=torch.bool)
-        mask[len(prompt_ids):] = True
-        hidden = stories_target.prefill(ids, FeatureRequest(final_hidden=True)).hidden
-        samples.append({"input_ids": ids, "loss_mask": mask, "hidden": hidden})
-    return samples
 
 
 @pytest.fixture(scope="module")
@@ -302,88 +280,33 @@ def test_greedy_output_equals_transformers_generate(stories_target, trained_head
 
 # ---------------------------------------------------------------- temperature > 0: lossless, and typical is not
 
-SAMPLING = SamplingParams(temperature=1.0, top_k=5)
-NEW_TOKENS = 4  # the first comes from the prefill; tokens 2-4 go through acceptance (tree depth up to 2, then 1)
-# Pearson chi-square goodness of fit of the 4-token joint and of the marginals of tokens 2-4 against the exact
-# distribution (top_k = 5 keeps it to 625 outcomes), at ALPHA = 1e-3, as in test_lossless_sampling.py. 500 runs
-# of ~10 ms. On this prompt the trained heads' candidates are accepted about once per run under the lossless
-# rule; its lowest p-value with these seeds is token 2's, ~2e-3, while 3000 runs give >= 0.34 on every
-# statistic (chance, not bias). Typical acceptance moves the marginals of tokens 2-4 so far that their p-values
-# fall below 1e-100.
-RUNS = 500
-ALPHA = 1e-3
-MIN_EXPECTED = 5.0
+# The end-to-end chi-square machinery of test_lossless_sampling.py (T=1, top_k=5, 4 new tokens, exact joint of
+# 625 outcomes, ALPHA = 1e-3). On this prompt the trained heads' candidates are accepted about once per run under
+# the lossless rule; typical acceptance moves the marginals of tokens 2-4 so far that their p-values fall below 1e-100.
 PROMPT = "A friendly dragon lived on a hill"
-
-
-def chi_square_pvalue(observed: Counter, exact: dict) -> float:
-    """Pearson goodness of fit; cells expected below MIN_EXPECTED are pooled; an impossible outcome gives 0."""
-    if any(exact.get(outcome, 0.0) <= 0.0 for outcome in observed):
-        return 0.0
-    total = sum(observed.values())
-    outcomes = sorted((o for o, p in exact.items() if p > 0.0), key=lambda o: exact[o])
-    norm = sum(exact[o] for o in outcomes)
-    expected = np.array([total * exact[o] / norm for o in outcomes])
-    counts = np.array([observed.get(o, 0) for o in outcomes], dtype=float)
-    small = expected < MIN_EXPECTED
-    cells_exp, cells_obs = list(expected[~small]), list(counts[~small])
-    if small.any():
-        pool_exp, pool_obs = expected[small].sum(), counts[small].sum()
-        if pool_exp < MIN_EXPECTED and cells_exp:
-            pool_exp, pool_obs = pool_exp + cells_exp.pop(0), pool_obs + cells_obs.pop(0)
-        cells_exp.append(pool_exp)
-        cells_obs.append(pool_obs)
-    return float(stats.chisquare(cells_obs, cells_exp).pvalue)
-
-
-@torch.inference_mode()
-def exact_distribution(target: Target, prompt: torch.Tensor) -> dict:
-    """Probability of every NEW_TOKENS-token continuation under the target's own sampling (transformers forwards)."""
-    prefixes = {(): 1.0}
-    for _ in range(NEW_TOKENS):
-        keys = list(prefixes)
-        batch = torch.stack([torch.cat([prompt, torch.tensor(k, dtype=torch.long)]) for k in keys])
-        probs = probabilities(target.model(input_ids=batch).logits[:, -1].float(), SAMPLING).double()
-        prefixes = {key + (t,): prefixes[key] * float(probs[row, t])
-                    for row, key in enumerate(keys) for t in torch.nonzero(probs[row]).flatten().tolist()}
-    return prefixes
 
 
 def fit_pvalues(target: Target, drafter, acceptor) -> tuple[dict[str, float], int]:
     """p-values of the joint and of each speculative position's marginal, and the drafts accepted in all."""
-    prompt = torch.tensor(target.tokenizer(PROMPT)["input_ids"])
-    exact = exact_distribution(target, prompt)
-    counts: Counter = Counter()
-    accepted = 0
-    for seed in range(RUNS):
-        tokens, run_stats = generate_tokens(target, drafter, prompt, NEW_TOKENS, SAMPLING, seed=seed,
-                                            stop_on_eos=False, acceptor=acceptor)
-        counts[tuple(tokens)] += 1
-        accepted += sum(run_stats.accepted_lengths)
-    pvalues = {"joint": chi_square_pvalue(counts, exact)}
-    for position in range(1, NEW_TOKENS):
-        observed, wanted = Counter(), {}
-        for outcome, n in counts.items():
-            observed[outcome[position]] += n
-        for outcome, p in exact.items():
-            wanted[outcome[position]] = wanted.get(outcome[position], 0.0) + p
-        pvalues[f"token {position + 1}"] = chi_square_pvalue(observed, wanted)
-    return pvalues, accepted
+    prompt = lossless.encode(target, PROMPT)
+    exact = lossless.exact_sequence_distribution(target, prompt, lossless.E2E_PARAMS, lossless.E2E_NEW_TOKENS)
+    counts, accepted = lossless.run_generation(target, drafter, prompt, acceptor)
+    return lossless.fit_pvalues(counts, exact, lossless.E2E_NEW_TOKENS), accepted
 
 
 def test_sampling_with_medusa_matches_the_target_distribution(stories_target, trained_heads_dir):
     drafter = build_medusa_drafter(stories_target, trained_heads_dir)
     assert Acceptor.lossless
     pvalues, accepted = fit_pvalues(stories_target, drafter, Acceptor())
-    assert accepted > RUNS // 2, accepted  # speculation happened: about one accepted draft per run
-    assert min(pvalues.values()) >= ALPHA, pvalues
+    assert accepted > lossless.N_E2E // 2, accepted  # speculation happened: about one accepted draft per run
+    assert min(pvalues.values()) >= lossless.ALPHA, pvalues
 
 
 def test_typical_acceptance_is_not_lossless(stories_target, trained_heads_dir):
     drafter = build_medusa_drafter(stories_target, trained_heads_dir)
     assert TypicalAcceptor.lossless is False
     pvalues, _ = fit_pvalues(stories_target, drafter, TypicalAcceptor())
-    assert min(pvalues.values()) < ALPHA, pvalues
+    assert min(pvalues.values()) < lossless.ALPHA, pvalues
 
 
 def test_typical_acceptance_keeps_the_deepest_typical_path():

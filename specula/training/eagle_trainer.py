@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from specula.heads.eagle_head import EagleHead
 from specula.target import Target
+from specula.training.evaluation import mean_tau
 from specula.training.loop import TrainConfig, run_training, uniform_noise
 
 FEATURE_NOISE = 0.1
@@ -110,20 +111,9 @@ def eagle2_tau(head: EagleHead, target: Target, samples, max_new_tokens: int = 4
     """Mean tokens per cycle of greedy `eagle2` decoding from the prompts of held-out samples."""
     import copy
 
-    from specula.decoding import generate_tokens
     from specula.drafters.eagle import EagleDrafter
-    from specula.sampling import SamplingParams
 
-    drafter = EagleDrafter(target, copy.deepcopy(head).eval(), dynamic=True)
-    taus = []
-    for sample in samples:
-        prompt_length = int(sample["loss_mask"].long().argmax())  # the response starts at the first True
-        if prompt_length == 0:
-            continue
-        _, stats = generate_tokens(target, drafter, sample["input_ids"][:prompt_length], max_new_tokens,
-                                   SamplingParams())
-        taus.append(stats.tau)
-    return sum(taus) / len(taus) if taus else 0.0
+    return mean_tau(target, EagleDrafter(target, copy.deepcopy(head).eval(), dynamic=True), samples, max_new_tokens)
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ from specula.errors import SpeculaError
 from specula.heads.eagle_head import _atomic_write
 from specula.heads.medusa_head import MedusaHeads
 from specula.target import FeatureRequest, Target
+from specula.training.evaluation import mean_tau
 from specula.training.loop import TrainConfig, run_training
 
 DECAY = 0.8
@@ -112,20 +113,9 @@ def rank_accuracy(heads: MedusaHeads, samples, top_k: int = TREE_TOP_K) -> torch
 
 def medusa_tau(heads: MedusaHeads, target: Target, samples, choices=None, max_new_tokens: int = 48) -> float:
     """Mean tokens per cycle of greedy `medusa` decoding from the prompts of held-out samples."""
-    from specula.decoding import generate_tokens
     from specula.drafters.medusa import MedusaDrafter
-    from specula.sampling import SamplingParams
 
-    drafter = MedusaDrafter(target, copy.deepcopy(heads).eval(), choices)
-    taus = []
-    for sample in samples:
-        prompt_length = int(sample["loss_mask"].long().argmax())  # the response starts at the first True
-        if prompt_length == 0:
-            continue
-        _, stats = generate_tokens(target, drafter, sample["input_ids"][:prompt_length], max_new_tokens,
-                                   SamplingParams())
-        taus.append(stats.tau)
-    return sum(taus) / len(taus) if taus else 0.0
+    return mean_tau(target, MedusaDrafter(target, copy.deepcopy(heads).eval(), choices), samples, max_new_tokens)
 
 
 def write_tree(path: Path, heads: MedusaHeads, samples, nodes: int = TREE_NODES, top_k: int = TREE_TOP_K) -> dict:
