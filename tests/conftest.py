@@ -92,3 +92,12 @@ def stories_samples(stories_target):
         hidden = stories_target.prefill(ids, FeatureRequest(final_hidden=True)).hidden
         samples.append({"input_ids": ids, "loss_mask": mask, "hidden": hidden})
     return samples
+
+
+@pytest.fixture(scope="module")
+def single_thread():
+    """Run a module's tests on one intra-op thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -47,13 +47,8 @@ ALPHA = 1e-3
 MIN_EXPECTED = 5.0
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    """Tensors here are tiny: intra-op threads only add overhead and contention on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Tiny tensors: intra-op threads only add overhead and contention on a shared machine.
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 # ---------------------------------------------------------------------------------------------

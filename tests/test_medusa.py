@@ -34,14 +34,8 @@ from specula.training.loop import TrainConfig
 from specula.training.medusa_trainer import MedusaTrainOptions, add_train_medusa_parser, train_medusa
 from specula.tree import DraftTree
 
-
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    """Everything here is tiny: intra-op threads only add overhead and contention on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Tiny tensors: intra-op threads only add overhead and contention on a shared machine.
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @pytest.fixture(scope="module")
