@@ -17,13 +17,13 @@ the original category is kept as ``subcategory``.
 from __future__ import annotations
 
 import gzip
-import json
 from collections import defaultdict
 from dataclasses import dataclass, field
 from itertools import zip_longest
 from pathlib import Path
 
 from specula.errors import SpeculaError
+from specula.jsonl import json_lines
 
 SPEC_BENCH_TASKS = {"translation", "summarization", "qa", "math_reasoning", "rag"}
 MT_BENCH_CATEGORIES = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
@@ -84,14 +84,7 @@ def read_questions(path: str | Path) -> list[Question]:
     seen: set[str] = set()
     try:
         with _open(path) as lines:
-            for number, line in enumerate(lines, start=1):
-                if not line.strip():
-                    continue
-                where = f"{path}:{number}"
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise SpeculaError(f"{where}: not valid JSON ({err.msg})") from err
+            for number, where, record in json_lines(lines, lambda n: f"{path}:{n}"):
                 if not isinstance(record, dict):
                     raise SpeculaError(f"{where}: expected a JSON object, got {type(record).__name__}")
                 turns = _turns(record, where)

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from specula.api import DEFAULT_TARGET
+from specula.bench.questions import read_questions
 from specula.decoding import generate_tokens
 from specula.drafters.vanilla import VanillaDrafter
 from specula.errors import SpeculaError
@@ -29,14 +30,8 @@ DEFAULT_PROMPTS = Path(__file__).resolve().parents[2].parent / "shared" / "data"
 
 
 def read_prompts(path: Path, limit: int) -> list[str]:
-    prompts = []
-    with open(path) as lines:
-        for line in lines:
-            record = json.loads(line)
-            prompts.append(record.get("prompt") or record.get("text") or record["turns"][0])
-            if len(prompts) == limit:
-                break
-    return prompts
+    """First turns of the first ``limit`` questions of a question file (any format `bench` reads)."""
+    return [question.turns[0] for question in read_questions(path)[:limit]]
 
 
 def run(target_dir: str, dtype: str, prompts: list[str], max_new_tokens: int, max_prompt_tokens: int,

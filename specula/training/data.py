@@ -56,6 +56,7 @@ from pathlib import Path
 import torch
 
 from specula.errors import SpeculaError
+from specula.jsonl import json_lines
 from specula.target import FeatureRequest, Target
 
 ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
@@ -101,14 +102,7 @@ def read_records(path: str | Path) -> list[TrainingRecord]:
     records = []
     try:
         with file.open(encoding="utf-8") as lines:
-            for number, line in enumerate(lines, 1):
-                if not line.strip():
-                    continue
-                where = f"{path}, line {number}"
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise SpeculaError(f"{where}: not valid JSON ({err.msg})") from err
+            for _, where, obj in json_lines(lines, lambda n: f"{path}, line {n}"):
                 records.append(parse_record(obj, where))
     except UnicodeDecodeError as err:
         raise SpeculaError(f"training data file {path} is not UTF-8 text") from err
