@@ -18,6 +18,7 @@ from typing import NoReturn
 
 from specula.bench.cli import add_bench_parser, add_calibrate_parser
 from specula.errors import SpeculaError
+from specula.training.eagle3_trainer import add_train_eagle3_parser
 from specula.training.medusa_trainer import add_train_medusa_parser
 
 PROG = "specula"
@@ -245,7 +246,8 @@ def run_train_eagle(args: argparse.Namespace) -> int:
 
 
 # Each entry registers one trainer on the `train` subcommand's subparsers.
-TRAINERS: list[Callable[[argparse._SubParsersAction], None]] = [add_train_eagle, add_train_medusa_parser]
+TRAINERS: list[Callable[[argparse._SubParsersAction], None]] = [add_train_eagle, add_train_eagle3_parser,
+                                                                add_train_medusa_parser]
 
 
 def add_train(subparsers: argparse._SubParsersAction) -> None:

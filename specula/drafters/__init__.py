@@ -11,7 +11,7 @@ from specula.drafters.vanilla import VanillaDrafter
 from specula.errors import SpeculaError
 from specula.target import Target
 
-METHODS = ("vanilla", "sps", "pld", "eagle", "eagle2", "medusa")
+METHODS = ("vanilla", "sps", "pld", "eagle", "eagle2", "eagle3", "medusa")
 
 
 def build_drafter(method: str, target: Target, draft: str | None = None, dtype: str = "auto",
@@ -36,6 +36,15 @@ def build_drafter(method: str, target: Target, draft: str | None = None, dtype: 
             raise SpeculaError(f"method {method} needs --draft HEAD_DIR, a trained EAGLE head for this target")
         head = EagleHead.from_pretrained(draft, dtype=target.dtype, device=target.device)
         return EagleDrafter(target, head, dynamic=method == "eagle2", **options)
+    if method == "eagle3":
+        from specula.drafters.eagle import EAGLE3_BUDGETS, EagleDrafter
+        from specula.heads.eagle3_head import Eagle3Head
+
+        if not draft:
+            raise SpeculaError("method eagle3 needs --draft HEAD_DIR, a trained EAGLE-3 head for this target")
+        head = Eagle3Head.from_pretrained(draft, dtype=target.dtype, device=target.device,
+                                          num_target_layers=target.config.num_hidden_layers)
+        return EagleDrafter(target, head, dynamic=True, name="eagle3", budgets=EAGLE3_BUDGETS, **options)
     if method == "medusa":
         from specula.drafters.medusa import build_medusa_drafter
 

@@ -41,6 +41,10 @@ DEFAULT_CHOICES = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], 
 # 60/6/10 0.79x; verifying and drafting wide trees costs far more here than on a GPU).
 CUDA_DYNAMIC = {"total_tokens": 60, "depth": 6, "top_k": 10}
 CPU_DYNAMIC = {"total_tokens": 10, "depth": 5, "top_k": 2}
+EAGLE2_BUDGETS = {"cuda": CUDA_DYNAMIC, "cpu": CPU_DYNAMIC}
+# EAGLE-3 drafts deeper (paper: depth 8, same node budget); its acceptance holds up with depth.
+EAGLE3_BUDGETS = {"cuda": {"total_tokens": 60, "depth": 8, "top_k": 10},
+                  "cpu": {"total_tokens": 10, "depth": 5, "top_k": 2}}
 
 
 @dataclass
@@ -54,11 +58,14 @@ class _Node:
 
 
 class EagleDrafter:
-    """Drafts trees with any head implementing EagleHead's drafting protocol (EAGLE-1 or EAGLE-3)."""
+    """Drafts trees with any head implementing EagleHead's drafting protocol (EAGLE-1 or EAGLE-3).
+
+    ``budgets`` gives the dynamic tree's default total_tokens/depth/top_k per device type ("cuda", "cpu").
+    """
 
     def __init__(self, target: Target, head: EagleHead, dynamic: bool, name: str | None = None,
                  choices: list[list[int]] | None = None, total_tokens: int | None = None,
-                 depth: int | None = None, top_k: int | None = None):
+                 depth: int | None = None, top_k: int | None = None, budgets: dict | None = None):
         if head.hidden_size != target.config.hidden_size:
             raise SpeculaError(f"EAGLE head hidden size {head.hidden_size} does not fit the target's "
                                f"{target.config.hidden_size}")
@@ -72,7 +79,7 @@ class EagleDrafter:
         self.embed = target.model.get_input_embeddings()
         self.lm_head = target.model.get_output_embeddings()
         self.dynamic = dynamic
-        budget = CUDA_DYNAMIC if target.device.type == "cuda" else CPU_DYNAMIC
+        budget = (budgets or EAGLE2_BUDGETS)["cuda" if target.device.type == "cuda" else "cpu"]
         self.total_tokens = total_tokens or budget["total_tokens"]
         self.depth = depth or budget["depth"]
         self.top_k = top_k or budget["top_k"]

@@ -108,6 +108,10 @@ class EagleHead(nn.Module):
         """The head's input features [n, H] from a target forward's output rows."""
         return out.hidden
 
+    def sample_features(self, sample: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The head's input features [.., T, H] of a cached training sample or batch."""
+        return sample["hidden"]
+
     def token_log_probs(self, predicted: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
         """Log-probabilities [n, V] over the target vocabulary from predicted features [n, H]."""
         return torch.log_softmax(lm_head(predicted).float(), dim=-1)

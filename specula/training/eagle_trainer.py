@@ -64,14 +64,14 @@ def eagle_loss(target: Target, noise: float = FEATURE_NOISE):
 
 
 @torch.no_grad()
-def chain_acceptance(head: EagleHead, target: Target, samples, max_steps: int = 4,
-                     max_positions: int = 64) -> list[float]:
+def chain_acceptance(head, target: Target, samples, max_steps: int = 4, max_positions: int = 64) -> list[float]:
     """Acceptance rates n-α, n = 0..max_steps-1, of greedy chain drafting on held-out samples.
 
-    At each response position the head drafts a chain from the true features of the prefix;
-    draft n (0-based) reads n of the head's own predicted features. n-α is the fraction of
-    drafts n that equal the sample's next token among those whose earlier drafts all did.
-    Samples are the target's own greedy continuations, so their tokens are the target's choices.
+    Works for any head with EagleHead's drafting protocol (EAGLE and EAGLE-3). At each response
+    position the head drafts a chain from the true features of the prefix; draft n (0-based) reads
+    n of the head's own outputs. n-α is the fraction of drafts n that equal the sample's next token
+    among those whose earlier drafts all did. Samples are the target's own greedy continuations,
+    so their tokens are the target's choices.
     """
     head = head.eval()
     embed = target.model.get_input_embeddings()
@@ -81,7 +81,7 @@ def chain_acceptance(head: EagleHead, target: Target, samples, max_steps: int = 
     accepted = [0] * max_steps
     for sample in samples:
         ids, response = sample["input_ids"].to(target.device), sample["loss_mask"]
-        features = sample["hidden"].to(target.device, dtype)
+        features = head.sample_features(sample).to(target.device, dtype)
         length = ids.shape[0]
         cache = head.new_cache(length + max_steps + 1)
         starts = [i for i in range(length - 2) if response[i + 2]][:max_positions]
@@ -94,14 +94,14 @@ def chain_acceptance(head: EagleHead, target: Target, samples, max_steps: int = 
             done = start + 1
             feature = predicted[-1:]
             for n in range(min(max_steps, length - start - 2)):
-                guess = int(lm_head(feature.to(lm_head.weight.dtype)).argmax(-1))
+                guess = int(head.token_log_probs(feature, lm_head).argmax(-1))
                 tried[n] += 1
                 if guess != int(ids[start + 2 + n]):
                     break
                 accepted[n] += 1
                 position = torch.tensor([start + 1 + n], device=target.device)
                 feature = head.step(feature, embed(torch.tensor([guess], device=target.device)).to(dtype),
-                                    position, cache, None)
+                                    position, cache, None, own_features=True)
                 cache.commit()
             cache.truncate(done)
     return [a / t if t else 0.0 for a, t in zip(accepted, tried, strict=True)]

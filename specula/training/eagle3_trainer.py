@@ -1,0 +1,179 @@
+"""Training an EAGLE-3 head with training-time test (EAGLE-3 paper, section 3.2).
+
+For a sequence with tokens t_0..t_{T-1}, per slot j and simulated draft step
+i = 0..K-1 the head reads (hidden, embed(t_{j+1+i})) and predicts the target's
+next-token distribution at position j+1+i. Step 0's hidden is the fused target
+feature g_j; step i's is step i-1's output at the same slot, which is what the
+head will read when drafting i tokens past j. The loss is
+Σᵢ 0.8^i × soft cross-entropy(target distribution restricted to the draft
+vocabulary and renormalised, head distribution), over positions that decide a
+response token and whose target argmax lies in the draft vocabulary. There is
+no feature-regression loss: the head's outputs are free vectors.
+
+The draft vocabulary is the `draft_vocab_size` most frequent tokens of the
+training responses (ties by lower id).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specula.errors import SpeculaError
+from specula.heads.eagle3_head import Eagle3Head, default_feature_layers, fused_feature_request
+from specula.target import FeatureRequest, Target
+from specula.training.eagle_trainer import chain_acceptance, eagle2_tau
+from specula.training.loop import TrainConfig, run_training
+
+STEP_DECAY = 0.8
+DEFAULT_STEPS = 7
+
+
+def choose_draft_vocab(dataset, vocab_size: int, draft_vocab_size: int) -> tuple[torch.Tensor, float]:
+    """(sorted target ids [Vd], share of response tokens they cover) from a dataset's response tokens."""
+    if not 1 <= draft_vocab_size <= vocab_size:
+        raise SpeculaError(f"draft vocabulary size must be in [1, {vocab_size}], got {draft_vocab_size}")
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for index in range(len(dataset)):
+        item = dataset[index]
+        counts += torch.bincount(item["input_ids"][item["loss_mask"].bool()], minlength=vocab_size)
+    # Stable sort of -count keeps lower ids first among equal counts (including never-seen tokens).
+    order = torch.sort(-counts, stable=True).indices[:draft_vocab_size]
+    coverage = float(counts[order].sum()) / max(int(counts.sum()), 1)
+    return torch.sort(order).values, coverage
+
+
+def eagle3_loss(target: Target, steps: int = DEFAULT_STEPS, decay: float = STEP_DECAY):
+    """The loss for `run_training`: batch has input_ids, loss_mask, valid, and the head's cached features."""
+    embed = target.model.get_input_embeddings()
+    lm_head = target.model.get_output_embeddings()
+
+    def loss_fn(head: Eagle3Head, batch: dict[str, torch.Tensor]):
+        core = getattr(head, "module", head)  # unwrapped when data parallel
+        ids, valid, response = batch["input_ids"], batch["valid"], batch["loss_mask"].bool()
+        length = ids.shape[1]
+        dtype = core.fc.weight.dtype
+        features = core.sample_features(batch).to(dtype)
+        with torch.no_grad():
+            target_logits = lm_head(batch["hidden"].to(lm_head.weight.dtype)).float()  # [B, T, V]
+            vocab = core.target_vocab_ids()
+            in_vocab = torch.ones_like(valid) if core.t2d is None else core.t2d[target_logits.argmax(-1)]
+            target_probs = torch.softmax(target_logits[..., vocab], dim=-1)  # [B, T, Vd]
+            # Position p decides token t_{p+1}: train where that is a response token (or p is the last one).
+            decides = response.clone()
+            decides[:, :-1] |= response[:, 1:]
+            trained = valid & decides & in_vocab
+            token_embeds = embed(ids).to(dtype)
+        step_embeds, step_masks = [], []
+        for i in range(steps):
+            shift = 1 + i
+            embeds = torch.zeros_like(token_embeds)
+            mask = torch.zeros_like(trained)
+            if shift < length:
+                embeds[:, :-shift] = token_embeds[:, shift:]
+                mask[:, :-shift] = trained[:, shift:]
+            step_embeds.append(embeds)
+            step_masks.append(mask)
+        outputs = head(features, step_embeds)
+        loss_sum = features.new_zeros((), dtype=torch.float32)
+        metrics = {}
+        for i, (out, mask) in enumerate(zip(outputs, step_masks, strict=True)):
+            if not bool(mask.any()):
+                continue
+            wanted = target_probs[:, 1 + i:][mask[:, : length - 1 - i]]
+            log_probs = torch.log_softmax(core.draft_logits(out[mask]).float(), dim=-1)
+            loss_sum = loss_sum + decay ** i * -(wanted * log_probs).sum()
+            with torch.no_grad():
+                metrics[f"acc{i}"] = (log_probs.argmax(-1) == wanted.argmax(-1)).float().mean()
+        return loss_sum, int(step_masks[0].sum()), metrics
+
+    return loss_fn
+
+
+@dataclass(frozen=True)
+class Eagle3TrainOptions:
+    draft_vocab_size: int = 2048
+    feature_layers: tuple[int, ...] | None = None  # None: 2, N//2, N-3
+    steps: int = DEFAULT_STEPS
+    eval_samples: int = 16
+    tau_prompts: int = 4
+
+
+def feature_request(target_config, feature_layers: tuple[int, ...] | None) -> FeatureRequest:
+    """What to cache for an EAGLE-3 head: its fused layers and the final hidden (for the target's distribution)."""
+    count = target_config.num_hidden_layers
+    layers = list(feature_layers or default_feature_layers(count))
+    if any(not 0 <= i <= count for i in layers):
+        raise SpeculaError(f"feature layers must be in [0, {count}] for a {count}-layer target, got {layers}")
+    return FeatureRequest(final_hidden=True, layer_inputs=fused_feature_request(layers, count).layer_inputs)
+
+
+def train_eagle3(target: Target, train_set, eval_set, out: Path, config: TrainConfig,
+                 options: Eagle3TrainOptions = Eagle3TrainOptions(), resume: bool = False, log=print) -> list[dict]:
+    """Train a fresh EAGLE-3 head for ``target`` on cached feature samples; writes it to ``out``."""
+    torch.manual_seed(config.seed)
+    vocab_size = int(target.vocab_size)
+    draft_vocab_size = min(options.draft_vocab_size, vocab_size)
+    draft_vocab, coverage = choose_draft_vocab(train_set, vocab_size, draft_vocab_size)
+    log(f"draft vocabulary: {draft_vocab_size} of {vocab_size} tokens, covering {coverage:.2%} of response tokens")
+    head = Eagle3Head.for_target(target.config, None if draft_vocab_size == vocab_size else draft_vocab,
+                                 list(options.feature_layers) if options.feature_layers else None)
+    head = head.float().to(target.device)
+
+    def evaluate(model: Eagle3Head, epoch: int) -> dict:
+        subset = [eval_set[i] for i in range(min(len(eval_set), options.eval_samples))]
+        rates = chain_acceptance(model, target, subset)
+        report = {f"{n}-alpha": round(rate, 4) for n, rate in enumerate(rates)}
+        report["eagle2_tau"] = round(eagle2_tau(model, target, subset[: options.tau_prompts]), 3)
+        report["draft_vocab_coverage"] = round(coverage, 4)
+        return report
+
+    keys = ("input_ids", "loss_mask", "hidden") + (("layer_inputs",) if head.feature_request().layer_inputs else ())
+    return run_training(head, train_set, eagle3_loss(target, options.steps), config, out,
+                        save_head=lambda model, directory: model.save_pretrained(directory), keys=keys,
+                        resume=resume, evaluate=evaluate if len(eval_set) else None, log=log)
+
+
+def add_train_eagle3_parser(trainers: argparse._SubParsersAction) -> None:
+    from specula.cli import add_data_arguments, positive_int
+
+    p = trainers.add_parser("eagle3", help="train an EAGLE-3 head (training-time test) by self-distillation",
+                            description="Train an EAGLE-3 draft head for a target; it serves --method eagle3.")
+    add_data_arguments(p)
+    p.add_argument("--draft-vocab-size", type=positive_int, default=Eagle3TrainOptions.draft_vocab_size,
+                   metavar="N", help="most frequent response tokens the head predicts (default: %(default)s)")
+    p.add_argument("--feature-layers", type=_layer_list, metavar="I,J,K",
+                   help="target layers whose inputs are fused (default: 2,N//2,N-3; N means the final hidden)")
+    p.add_argument("--ttt-steps", type=positive_int, default=DEFAULT_STEPS, metavar="K",
+                   help="simulated draft steps per sample (default: %(default)s)")
+    p.set_defaults(handler=run_train_eagle3)
+
+
+def _layer_list(text: str) -> tuple[int, ...]:
+    try:
+        layers = tuple(int(part) for part in text.split(","))
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer indices, got '{text}'") from err
+    if not layers:
+        raise argparse.ArgumentTypeError("give at least one layer")
+    return layers
+
+
+def run_train_eagle3(args: argparse.Namespace) -> int:
+    from transformers import AutoConfig
+
+    from specula.cli import training_inputs
+    from specula.target import check_model_dir
+
+    config = AutoConfig.from_pretrained(check_model_dir(args.target, "target"), local_files_only=True)
+    request = feature_request(config, args.feature_layers)
+    target, train_set, eval_set, train_config = training_inputs(args, request)
+    options = Eagle3TrainOptions(args.draft_vocab_size, args.feature_layers, args.ttt_steps)
+    train_eagle3(target, train_set, eval_set, args.out, train_config, options, resume=args.resume,
+                 log=lambda message: print(message, file=sys.stderr))
+    print(f"EAGLE-3 head written to {args.out}", file=sys.stderr)
+    return 0

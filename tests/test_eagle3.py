@@ -1,0 +1,171 @@
+"""EAGLE-3 heads: training-time-test attention, draft vocabulary, official layout, losslessness, training."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import STORIES, STORY_PROMPTS
+
+import specula
+from specula.errors import SpeculaError
+from specula.heads.eagle3_head import Eagle3Head, default_feature_layers, dense_ttt_attention, ttt_attention
+from specula.target import FeatureRequest
+from specula.training.eagle3_trainer import Eagle3TrainOptions, choose_draft_vocab, feature_request, train_eagle3
+from specula.training.loop import TrainConfig
+
+STORY_LAYERS = (1, 2, 4)  # low, middle, high of stories260k's 5 layers (2, N//2, N-3 would all be 2)
+
+
+@pytest.fixture(scope="module")
+def eagle3_samples(stories_target, stories_samples):
+    """The stories samples with the inputs of the fused layers (and the final hidden) attached."""
+    request = feature_request(stories_target.config, STORY_LAYERS)
+    samples = []
+    for sample in stories_samples:
+        out = stories_target.prefill(sample["input_ids"], request)
+        layers = torch.stack([out.layer_inputs[i] for i in request.layer_inputs], 1)
+        samples.append({**sample, "hidden": out.hidden, "layer_inputs": layers})
+    return samples
+
+
+@pytest.fixture(scope="module")
+def trained_dir(stories_target, eagle3_samples, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("eagle3_head")
+    config = TrainConfig(epochs=12, batch_size=4, lr=3e-3, warmup_steps=5, save_every=1000)
+    options = Eagle3TrainOptions(draft_vocab_size=256, feature_layers=STORY_LAYERS, steps=3, eval_samples=4,
+                                 tau_prompts=2)
+    train_eagle3(stories_target, eagle3_samples[:16], eagle3_samples[16:], out, config, options, log=lambda _: None)
+    return out
+
+
+@pytest.mark.parametrize("steps", [1, 2, 4])
+def test_ttt_attention_equals_dense_masked_reference(steps):
+    generator = torch.Generator().manual_seed(steps)
+    batch, heads, length, dim = 2, 3, 7, 5
+    q = torch.randn(batch, heads, length, dim, generator=generator)
+    keys = [torch.randn(batch, heads, length, dim, generator=generator) for _ in range(steps)]
+    values = [torch.randn(batch, heads, length, dim, generator=generator) for _ in range(steps)]
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    torch.testing.assert_close(ttt_attention(q, keys, values, causal, 0.4),
+                               dense_ttt_attention(q, keys, values, causal, 0.4))
+
+
+def test_ttt_steps_match_drafting_the_same_chain(stories_target):
+    """Step i of training-time test at slot j equals the head drafting i tokens past j with a cache."""
+    torch.manual_seed(0)
+    head = Eagle3Head.for_target(stories_target.config, feature_layers=list(STORY_LAYERS)).eval()
+    length, steps = 6, 3
+    features = torch.randn(1, length, 3 * 64)
+    tokens = torch.randint(0, 512, (length + steps + 1,))
+    embed = stories_target.model.get_input_embeddings()
+    step_embeds = [embed(tokens[1 + i: 1 + i + length])[None] for i in range(steps)]
+    with torch.no_grad():
+        outputs = head(features, step_embeds)
+    slot = 3
+    cache = head.new_cache(32)
+    out = head.step(features[0, : slot + 1], step_embeds[0][0, : slot + 1], torch.arange(slot + 1), cache, None)
+    cache.commit()
+    torch.testing.assert_close(out[-1], outputs[0][0, slot], atol=1e-5, rtol=1e-4)
+    hidden = out[-1:]
+    for i in range(1, steps):
+        hidden = head.step(hidden, step_embeds[i][0, slot: slot + 1], torch.tensor([slot + i]), cache, None,
+                           own_features=True)
+        cache.commit()
+        torch.testing.assert_close(hidden[0], outputs[i][0, slot], atol=1e-5, rtol=1e-4)
+
+
+def test_draft_vocabulary_is_the_most_frequent_response_tokens():
+    dataset = [{"input_ids": torch.tensor([5, 1, 1, 3, 3, 3, 7]),
+                "loss_mask": torch.tensor([False, True, True, True, True, True, True])}]
+    ids, coverage = choose_draft_vocab(dataset, vocab_size=10, draft_vocab_size=3)
+    assert ids.tolist() == [1, 3, 7]  # 5 is a prompt token and does not count
+    assert coverage == 1.0
+    ids, coverage = choose_draft_vocab(dataset, vocab_size=10, draft_vocab_size=2)
+    assert ids.tolist() == [1, 3] and math.isclose(coverage, 5 / 6)
+    with pytest.raises(SpeculaError, match="draft vocabulary size"):
+        choose_draft_vocab(dataset, vocab_size=10, draft_vocab_size=11)
+
+
+def test_draft_vocabulary_mapping_round_trip(stories_target):
+    draft_vocab = torch.tensor([3, 9, 10, 200, 511])
+    head = Eagle3Head.for_target(stories_target.config, draft_vocab=draft_vocab, feature_layers=list(STORY_LAYERS))
+    assert head.draft_to_target(torch.arange(5)).tolist() == draft_vocab.tolist()
+    assert head.t2d.nonzero().flatten().tolist() == draft_vocab.tolist()
+    log_probs = head.token_log_probs(torch.randn(2, 64))
+    assert log_probs.shape == (2, 512)
+    outside = torch.ones(512, dtype=torch.bool)
+    outside[draft_vocab] = False
+    assert torch.isinf(log_probs[:, outside]).all()
+    torch.testing.assert_close(log_probs.exp().sum(-1), torch.ones(2))
+
+
+def test_full_vocabulary_head_has_no_mapping(stories_target):
+    head = Eagle3Head.for_target(stories_target.config)
+    assert head.d2t is None and head.t2d is None
+    assert head.feature_layers == default_feature_layers(5) == [2, 2, 2]
+    assert head.feature_request() == FeatureRequest(final_hidden=False, layer_inputs=(2,))
+
+
+def test_checkpoint_round_trip_in_the_official_layout(stories_target, tmp_path):
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    head = Eagle3Head.for_target(stories_target.config, draft_vocab=torch.arange(0, 512, 2))
+    head.save_pretrained(tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    assert set(tensors) == {
+        "fc.weight", "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight",
+        "midlayer.self_attn.v_proj.weight", "midlayer.self_attn.o_proj.weight", "midlayer.mlp.gate_proj.weight",
+        "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight", "midlayer.hidden_norm.weight",
+        "midlayer.input_layernorm.weight", "midlayer.post_attention_layernorm.weight", "norm.weight",
+        "lm_head.weight", "d2t", "t2d"}
+    assert tensors["fc.weight"].shape == (64, 192) and tensors["midlayer.self_attn.q_proj.weight"].shape[1] == 128
+    assert tensors["lm_head.weight"].shape == (256, 64) and tensors["d2t"].dtype == torch.int64
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["draft_vocab_size"] == 256 and config["architectures"] == ["LlamaForCausalLMEagle3"]
+    loaded = Eagle3Head.from_pretrained(tmp_path)
+    for name, tensor in head.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[name], tensor)
+
+
+def test_checkpoint_whose_tensors_disagree_with_config_is_refused(stories_target, tmp_path):
+    Eagle3Head.for_target(stories_target.config, draft_vocab=torch.arange(128)).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["draft_vocab_size"] = 100
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SpeculaError, match="shape"):
+        Eagle3Head.from_pretrained(tmp_path)
+
+
+def test_training_loss_falls(trained_dir):
+    history = json.loads((trained_dir / "training_history.json").read_text())
+    losses = [h["loss"] for h in history if "loss" in h]
+    # The soft cross-entropy cannot fall below the target's own entropy, so "falls" means a clear drop.
+    assert sum(losses[-4:]) / 4 < 0.75 * sum(losses[:4]) / 4, losses
+    assert any("acc2" in h for h in history)  # the simulated steps were trained too
+    evaluations = [h["eval"] for h in history if "eval" in h]
+    assert evaluations[-1]["0-alpha"] > 0.3, evaluations
+
+
+@pytest.mark.parametrize("prompt", STORY_PROMPTS[16:19])
+def test_eagle3_greedy_equals_transformers_generate(trained_dir, prompt):
+    speculator = specula.load(STORIES, method="eagle3", draft=trained_dir, dtype="float32",
+                              total_tokens=8, depth=6, top_k=3)
+    ids = speculator.encode(prompt)
+    result = speculator.generate(ids, max_new_tokens=48, stop_on_eos=False)
+    expected = speculator.target.model.generate(ids[None], max_new_tokens=48, do_sample=False,
+                                                min_new_tokens=48)[0, len(ids):]
+    assert result.token_ids == expected.tolist()
+    assert result.stats.tau > 1.2  # drafts were really accepted
+
+
+def test_eagle3_needs_a_head_and_rejects_a_head_of_another_kind(tmp_path):
+    with pytest.raises(SpeculaError, match="needs --draft"):
+        specula.load(STORIES, method="eagle3", dtype="float32")
+    eagle_head = Path(__file__).parent / "data" / "eagle-stories260k"
+    with pytest.raises(SpeculaError, match="not an EAGLE-3 head"):
+        specula.load(STORIES, method="eagle3", draft=eagle_head, dtype="float32")
