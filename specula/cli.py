@@ -192,6 +192,8 @@ def add_data_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gen-batch-size", type=positive_int, default=16, metavar="N")
     p.add_argument("--eval-samples", type=positive_int, default=32, metavar="N",
                    help="samples held out for the per-epoch evaluation (default: %(default)s)")
+    p.add_argument("--train-samples", type=positive_int, metavar="N",
+                   help="train on only the first N non-held-out samples (data-scaling runs share one cache)")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32",
                    help="target dtype for features (default: %(default)s)")
     p.add_argument("--device", type=device_name, default="cpu")
@@ -217,7 +219,8 @@ def training_inputs(args: argparse.Namespace, request):
         raise SpeculaError(f"data file not found: {args.data}")
     target = Target.load(args.target, dtype=args.dtype, device=args.device)
     options = DataOptions(args.data, args.cache_dir, not args.no_regenerate, args.gen_max_new_tokens,
-                          args.gen_temperature, args.gen_batch_size, args.eval_samples, args.seed)
+                          args.gen_temperature, args.gen_batch_size, args.eval_samples, args.seed,
+                          args.train_samples)
     train_set, eval_set = feature_sets(target, options, request, log=lambda message: print(message,
                                                                                            file=sys.stderr))
     config = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,

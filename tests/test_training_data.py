@@ -282,3 +282,17 @@ def test_interrupted_regeneration_resumes_from_its_journal(target, tmp_path, mon
     assert len(generated) == 1  # two of the three batches came from the journal
     assert all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(samples, reference, strict=True))
     assert not (tmp_path / "samples.journal.jsonl").exists()
+
+
+def test_train_samples_cut_the_train_set_and_keep_the_held_out_set(target, tmp_path):
+    from specula.training.recipe import DataOptions, feature_sets
+
+    write_jsonl(tmp_path / "data.jsonl", [{"prompt": p} for p in STORY_PROMPTS[:12]])
+    options = dict(data=tmp_path / "data.jsonl", cache_dir=tmp_path / "cache", max_new_tokens=6, eval_samples=3)
+    request = FeatureRequest(final_hidden=True)
+    full_train, full_eval = feature_sets(target, DataOptions(**options), request, log=None)
+    small_train, small_eval = feature_sets(target, DataOptions(**options, train_samples=4), request, log=None)
+    assert len(full_train) == 9 and len(small_train) == 4
+    assert small_train.indices == full_train.indices[:4] and small_eval.indices == full_eval.indices
+    with pytest.raises(SpeculaError, match="exceeds the 9 training samples"):
+        feature_sets(target, DataOptions(**options, train_samples=10), request, log=None)

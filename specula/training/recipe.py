@@ -24,6 +24,7 @@ class DataOptions:
     batch_size: int = 16
     eval_samples: int = 32
     seed: int = 0
+    train_samples: int | None = None  # train on only this many (the held-out set stays the same): data scaling
 
 
 class Subset:
@@ -40,7 +41,11 @@ class Subset:
 
 
 def feature_sets(target: Target, options: DataOptions, request: FeatureRequest, log=print) -> tuple[Subset, Subset]:
-    """(train, eval) feature sets; eval holds ``eval_samples`` samples chosen with the seed."""
+    """(train, eval) feature sets; eval holds ``eval_samples`` samples chosen with the seed.
+
+    With ``train_samples`` the train set is the first that many of the rest, so runs on 1x, 2x, 4x the
+    data share one sample cache and one held-out set.
+    """
     samples = prepare_samples(target, options.data, cache_dir=options.cache_dir,
                               regenerate=options.regenerate, max_new_tokens=options.max_new_tokens,
                               temperature=options.temperature, batch_size=options.batch_size, seed=options.seed,
@@ -56,6 +61,10 @@ def feature_sets(target: Target, options: DataOptions, request: FeatureRequest, 
     order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(options.seed)).tolist()
     held_out = sorted(order[: options.eval_samples])
     kept = sorted(order[options.eval_samples:])
+    if options.train_samples is not None:
+        if options.train_samples > len(kept):
+            raise SpeculaError(f"--train-samples {options.train_samples} exceeds the {len(kept)} training samples")
+        kept = kept[: options.train_samples]
     return Subset(features, kept), Subset(features, held_out)
 
 
