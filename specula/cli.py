@@ -194,6 +194,8 @@ def add_data_arguments(p: argparse.ArgumentParser) -> None:
                    help="samples held out for the per-epoch evaluation (default: %(default)s)")
     p.add_argument("--train-samples", type=positive_int, metavar="N",
                    help="train on only the first N non-held-out samples (data-scaling runs share one cache)")
+    p.add_argument("--max-prompt-context", type=positive_int, metavar="N",
+                   help="train on at most N prompt tokens before each response (faster on long prompts)")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32",
                    help="target dtype for features (default: %(default)s)")
     p.add_argument("--device", type=device_name, default="cpu")
@@ -220,7 +222,7 @@ def training_inputs(args: argparse.Namespace, request):
     target = Target.load(args.target, dtype=args.dtype, device=args.device)
     options = DataOptions(args.data, args.cache_dir, not args.no_regenerate, args.gen_max_new_tokens,
                           args.gen_temperature, args.gen_batch_size, args.eval_samples, args.seed,
-                          args.train_samples)
+                          args.train_samples, args.max_prompt_context)
     train_set, eval_set = feature_sets(target, options, request, log=lambda message: print(message,
                                                                                            file=sys.stderr))
     config = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,

@@ -296,3 +296,15 @@ def test_train_samples_cut_the_train_set_and_keep_the_held_out_set(target, tmp_p
     assert small_train.indices == full_train.indices[:4] and small_eval.indices == full_eval.indices
     with pytest.raises(SpeculaError, match="exceeds the 9 training samples"):
         feature_sets(target, DataOptions(**options, train_samples=10), request, log=None)
+
+
+def test_prompt_crop_keeps_the_response_and_the_last_prompt_tokens():
+    from specula.training.recipe import PromptCrop
+
+    mask = torch.tensor([False] * 6 + [True] * 3)
+    item = {"input_ids": torch.arange(9), "loss_mask": mask, "hidden": torch.arange(18.0).view(9, 2)}
+    cropped = PromptCrop([item], context=2)[0]
+    assert cropped["input_ids"].tolist() == [4, 5, 6, 7, 8]
+    assert cropped["loss_mask"].tolist() == [False, False, True, True, True]
+    assert torch.equal(cropped["hidden"], item["hidden"][4:])
+    assert PromptCrop([item], context=10)[0]["input_ids"].tolist() == list(range(9))

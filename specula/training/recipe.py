@@ -25,6 +25,27 @@ class DataOptions:
     eval_samples: int = 32
     seed: int = 0
     train_samples: int | None = None  # train on only this many (the held-out set stays the same): data scaling
+    max_prompt_context: int | None = None  # train-set items keep at most this many tokens before the response
+
+
+class PromptCrop:
+    """Items of a dataset with all but the last ``context`` tokens before the response dropped.
+
+    Only response positions are trained, so a long prompt costs compute (attention grows with
+    its square) and teaches little beyond its last tokens. Every per-token tensor is cut alike.
+    """
+
+    def __init__(self, dataset, context: int):
+        self.dataset, self.context = dataset, context
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        item = self.dataset[index]
+        response = item["loss_mask"].nonzero()
+        start = max(0, int(response[0]) - self.context) if len(response) else 0
+        return {key: value[start:] for key, value in item.items()}
 
 
 class Subset:
@@ -65,7 +86,8 @@ def feature_sets(target: Target, options: DataOptions, request: FeatureRequest, 
         if options.train_samples > len(kept):
             raise SpeculaError(f"--train-samples {options.train_samples} exceeds the {len(kept)} training samples")
         kept = kept[: options.train_samples]
-    return Subset(features, kept), Subset(features, held_out)
+    train = features if options.max_prompt_context is None else PromptCrop(features, options.max_prompt_context)
+    return Subset(train, kept), Subset(features, held_out)
 
 
 def _request_name(request: FeatureRequest) -> str:
