@@ -99,6 +99,8 @@ def load(target: str | Path = DEFAULT_TARGET, method: str = "vanilla", draft: st
     method: vanilla, sps, pld, eagle, eagle2; ``draft`` is the draft model directory for sps or
     the head directory for eagle/eagle2 (the bundled target's own head when omitted for it).
     ``options`` go to the drafter (e.g. ``num_tokens=5`` for sps and pld, ``total_tokens=10`` for eagle2).
+    ada: ``draft`` is an EAGLE head, ``ldlp=DIR`` its length predictor (default ``draft/ldlp``),
+    ``tree=True`` drafts a dynamic tree of the predicted depth instead of a chain.
     """
     target_model = Target.load(target, dtype=dtype, device=device, max_length=max_length)
     if draft is None and method in DEFAULT_HEADS and Path(target).resolve() == DEFAULT_TARGET:

@@ -19,6 +19,7 @@ from typing import NoReturn
 from specula.bench.cli import add_bench_parser, add_calibrate_parser
 from specula.errors import SpeculaError
 from specula.training.eagle3_trainer import add_train_eagle3_parser
+from specula.training.ldlp_trainer import add_train_ldlp_parser
 from specula.training.medusa_trainer import add_train_medusa_parser
 
 PROG = "specula"
@@ -97,6 +98,10 @@ def add_generate(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tree-top-k", type=positive_int, metavar="K", help="eagle2/eagle3: nodes expanded per step")
     p.add_argument("--tree-choices", type=tree_choices, metavar="JSON",
                    help="eagle: static tree as a JSON list of child-rank paths, e.g. '[[0],[1],[0,0]]'")
+    p.add_argument("--ldlp", type=Path, metavar="DIR",
+                   help="ada: the draft length predictor (default: DRAFT/ldlp; `specula train ldlp`)")
+    p.add_argument("--ada-tree", action="store_true",
+                   help="ada: draft an EAGLE-2 dynamic tree of the predicted depth instead of a chain")
     p.add_argument("--json", action="store_true", help="print one JSON object with the text and statistics")
     p.set_defaults(handler=run_generate)
 
@@ -118,10 +123,14 @@ def tree_choices(text: str) -> list[list[int]]:
 def drafter_options(args: argparse.Namespace) -> dict:
     """Method options given on the command line (absent ones keep the method's defaults)."""
     names = {"num_draft_tokens": "num_tokens", "tree_total_tokens": "total_tokens", "tree_depth": "depth",
-             "tree_top_k": "top_k", "tree_choices": "choices"}
+             "tree_top_k": "top_k", "tree_choices": "choices", "ldlp": "ldlp"}
     options = {option: getattr(args, arg) for arg, option in names.items() if getattr(args, arg) is not None}
+    if (args.ldlp is not None or args.ada_tree) and args.method != "ada":
+        raise SpeculaError(f"--ldlp and --ada-tree apply only to method ada, not {args.method}")
+    if args.ada_tree:
+        options["tree"] = True
     tree_options = {"total_tokens", "depth", "top_k", "choices"} & set(options)
-    if tree_options and args.method not in ("eagle", "eagle2", "eagle3", "medusa"):
+    if tree_options and args.method not in ("eagle", "eagle2", "eagle3", "medusa", "ada"):
         raise SpeculaError(f"--tree-* options do not apply to method {args.method}")
     if "num_tokens" in options and args.method not in ("sps", "pld", "ada"):
         raise SpeculaError(f"--num-draft-tokens does not apply to method {args.method}")
@@ -252,7 +261,7 @@ def run_train_eagle(args: argparse.Namespace) -> int:
 
 # Each entry registers one trainer on the `train` subcommand's subparsers.
 TRAINERS: list[Callable[[argparse._SubParsersAction], None]] = [add_train_eagle, add_train_eagle3_parser,
-                                                                add_train_medusa_parser]
+                                                                add_train_medusa_parser, add_train_ldlp_parser]
 
 
 def add_train(subparsers: argparse._SubParsersAction) -> None:

@@ -11,7 +11,7 @@ from specula.drafters.vanilla import VanillaDrafter
 from specula.errors import SpeculaError
 from specula.target import Target
 
-METHODS = ("vanilla", "sps", "pld", "eagle", "eagle2", "eagle3", "medusa")
+METHODS = ("vanilla", "sps", "pld", "eagle", "eagle2", "eagle3", "medusa", "ada")
 
 
 def build_drafter(method: str, target: Target, draft: str | None = None, dtype: str = "auto",
@@ -51,6 +51,10 @@ def build_drafter(method: str, target: Target, draft: str | None = None, dtype: 
         if not draft:
             raise SpeculaError("method medusa needs --draft HEAD_DIR, trained Medusa heads for this target")
         return build_medusa_drafter(target, draft, **options)
+    if method == "ada":
+        from specula.drafters.ada import build_ada_drafter
+
+        return build_ada_drafter(target, draft, **options)
     raise SpeculaError(f"unknown method '{method}'; choose one of {', '.join(METHODS)}")
 
 
