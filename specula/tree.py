@@ -23,11 +23,14 @@ class DraftTree:
                  token was sampled from; row 0 is unused. None means every draft token
                  was chosen deterministically (argmax, top-k, lookup), which the lossless
                  acceptor treats as a point-mass proposal.
+    confidences: float [n] or None. The drafter's probability of node i's token given its
+                 parent (row 0 unused); only read by the benchmark's calibration plot.
     """
 
     tokens: torch.Tensor
     parents: list[int]
     draft_probs: torch.Tensor | None = None
+    confidences: torch.Tensor | None = None
     _depths: list[int] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -42,12 +45,13 @@ class DraftTree:
 
     @classmethod
     def chain(cls, root: int, drafts: list[int], draft_probs: torch.Tensor | None = None,
-              device: torch.device | str = "cpu") -> DraftTree:
+              device: torch.device | str = "cpu", confidences: list[float] | None = None) -> DraftTree:
         """Root followed by ``drafts`` in a line; ``draft_probs`` [len(drafts), V] if sampled."""
         tokens = torch.tensor([root, *drafts], dtype=torch.long, device=device)
         if draft_probs is not None:
             draft_probs = torch.cat([torch.zeros_like(draft_probs[:1]), draft_probs], dim=0)
-        return cls(tokens, list(range(-1, len(drafts))), draft_probs)
+        node_confidences = None if confidences is None else torch.tensor([1.0, *confidences])
+        return cls(tokens, list(range(-1, len(drafts))), draft_probs, node_confidences)
 
     def __len__(self) -> int:
         return len(self.parents)
@@ -98,4 +102,5 @@ class DraftTree:
         new_index = {old: new for new, old in enumerate(keep)}
         parents = [-1] + [new_index[self.parents[i]] for i in keep[1:]]
         probs = None if self.draft_probs is None else self.draft_probs[keep]
-        return DraftTree(self.tokens[keep], parents, probs)
+        confidences = None if self.confidences is None else self.confidences[keep]
+        return DraftTree(self.tokens[keep], parents, probs, confidences)

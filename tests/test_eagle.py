@@ -127,6 +127,12 @@ def test_dynamic_tree_keeps_the_most_valuable_connected_nodes(stories_target, tr
     for i in range(len(tree)):
         assert set(torch.nonzero(mask[i]).flatten().tolist()) == set(tree.path_to(i))
     assert drafter.cache.length == len(context) - 1  # draft entries were discarded
+    # Each node's confidence is the head's probability of its token given its parent: the products
+    # along paths give back the node values (log of the path's confidence product).
+    for i, node in enumerate(nodes):
+        path = tree.path_to(i + 1)[1:]
+        assert 0.0 < float(tree.confidences[i + 1]) <= 1.0
+        assert abs(torch.log(tree.confidences[path]).sum().item() - node.value) < 1e-4
 
 
 def test_dynamic_tree_rerank_matches_brute_force_selection(stories_target, trained_head_dir):

@@ -57,20 +57,23 @@ class DraftModelDrafter:
             return DraftTree.root_only(root, device=context.device)
         pending = context[len(self.seen):]  # committed text the draft has not processed, ending in the root
         logits = self._extend(pending)
-        drafts, dists = [], []
+        drafts, dists, confidences = [], [], []
         for step in range(depth):
             if params.greedy:
                 token = int(torch.argmax(logits))
+                confidences.append(float(torch.softmax(logits.float(), dim=-1)[token]))
             else:
                 q = probabilities(logits, params)
                 token = int(torch.multinomial(q, 1, generator=generator))
                 dists.append(q)
+                confidences.append(float(q[token]))
             drafts.append(token)
             if step + 1 < depth:
                 logits = self._extend(torch.tensor([token], device=context.device))
         # The draft cache now holds the context plus all drafts but the last.
         self.seen = context.tolist() + drafts[:-1]
-        return DraftTree.chain(root, drafts, torch.stack(dists) if dists else None, device=context.device)
+        return DraftTree.chain(root, drafts, torch.stack(dists) if dists else None, device=context.device,
+                               confidences=confidences)
 
     def _extend(self, tokens: torch.Tensor) -> torch.Tensor:
         out = self.draft.forward(tokens)

@@ -24,6 +24,7 @@ the acceptor's multi-round rule keeps the output exactly target-distributed.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -204,13 +205,17 @@ class EagleDrafter:
             if not parents:
                 break
             widest = 1 + max(p[-1] for p in paths if len(p) == level)
-            ranked, _, q = self._children(self._log_probs(torch.stack([features[p] for p in parents])), widest)
+            ranked, confidences, q = self._children(self._log_probs(torch.stack([features[p] for p in parents])),
+                                                    widest)
             new = []
             for row, parent in enumerate(parents):
                 for path in (p for p in paths if len(p) == level and p[:-1] == parent):
                     token = int(ranked[row, path[-1]])
+                    parent_index = index_of.get(parent, -1)
+                    base = nodes[parent_index].value if parent_index >= 0 else 0.0
+                    value = base + float(confidences[row, path[-1]])
                     index_of[path] = len(nodes)
-                    nodes.append(_Node(token, index_of.get(parent, -1), level, 0.0, q=None if q is None else q[row]))
+                    nodes.append(_Node(token, parent_index, level, value, q=None if q is None else q[row]))
                     new.append(path)
             if level < depth and any(len(p) > level for p in paths):
                 expandable = [p for p in new if any(q[:level] == p and len(q) > level for q in paths)]
@@ -235,4 +240,7 @@ def _as_tree(root: int, nodes: list[_Node], device: torch.device) -> DraftTree:
     draft_probs = None
     if nodes and nodes[0].q is not None:
         draft_probs = torch.stack([torch.zeros_like(nodes[0].q)] + [n.q for n in nodes])
-    return DraftTree(tokens, [-1] + [n.parent + 1 for n in nodes], draft_probs)
+    # A node's value is the log of its path's confidence product: the step from its parent is its own.
+    confidences = torch.tensor([1.0] + [math.exp(n.value - (nodes[n.parent].value if n.parent >= 0 else 0.0))
+                                        for n in nodes])
+    return DraftTree(tokens, [-1] + [n.parent + 1 for n in nodes], draft_probs, confidences)

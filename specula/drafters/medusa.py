@@ -167,10 +167,12 @@ class MedusaDrafter:
             return DraftTree.root_only(root, device=context.device)
         count = self._count_to_depth[depth]
         logits = self.heads(self.hidden[None], num_heads=depth)[:, 0]  # [depth, V]
-        ranked = torch.topk(logits, self._widest, dim=-1).indices  # [depth, widest]
-        drafts = ranked[self._depth_index[: count - 1], self._rank[: count - 1]]
+        best = torch.topk(torch.softmax(logits.float(), dim=-1), self._widest, dim=-1)  # [depth, widest]
+        drafts = best.indices[self._depth_index[: count - 1], self._rank[: count - 1]]
+        # A head's probability of its candidate (heads read the same h, so it ignores the parent).
+        confidences = best.values[self._depth_index[: count - 1], self._rank[: count - 1]].cpu()
         tokens = torch.cat([torch.tensor([root], device=context.device), drafts.to(context.device)])
-        return DraftTree(tokens, self._parents[:count])
+        return DraftTree(tokens, self._parents[:count], confidences=torch.cat([torch.ones(1), confidences]))
 
 
 def build_medusa_drafter(target: Target, draft: str | Path | None, **options) -> MedusaDrafter:
