@@ -19,7 +19,8 @@ MODELS = Path(__file__).resolve().parent.parent / "models"
 DEFAULT_TARGET = MODELS / "pycoder-25m"
 # Heads trained for the bundled target, used when no --draft is given for it.
 DEFAULT_HEADS = {"eagle": MODELS / "eagle-pycoder-25m", "eagle2": MODELS / "eagle-pycoder-25m",
-                 "eagle3": MODELS / "eagle3-pycoder-25m", "medusa": MODELS / "medusa-pycoder-25m"}
+                 "eagle3": MODELS / "eagle3-pycoder-25m", "medusa": MODELS / "medusa-pycoder-25m",
+                 "ada": MODELS / "eagle-pycoder-25m"}  # its LDLP lives in ldlp/
 
 
 @dataclass
