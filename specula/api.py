@@ -41,12 +41,20 @@ class StreamChunk:
 
 
 class Speculator:
-    """A target model paired with one drafting method."""
+    """A target model paired with one drafting method and an acceptance rule (lossless unless asked)."""
 
-    def __init__(self, target: Target, method: str, drafter):
+    def __init__(self, target: Target, method: str, drafter, acceptor=None):
+        from specula.acceptance import Acceptor
+
         self.target = target
         self.method = method
         self.drafter = drafter
+        self.acceptor = acceptor or Acceptor()
+
+    @property
+    def lossless(self) -> bool:
+        """False only with the opt-in typical acceptance, whose output is not the target's distribution."""
+        return bool(self.acceptor.lossless)
 
     @property
     def tokenizer(self):
@@ -75,7 +83,7 @@ class Speculator:
         emitted: list[int] = []
         shown = ""
         for chunk in stream_tokens(self.target, self.drafter, ids, max_new_tokens, params, seed, stop_on_eos,
-                                   stats=stats):
+                                   acceptor=self.acceptor, stats=stats):
             emitted.extend(chunk)
             # Decode the whole tail so multi-byte characters split across tokens come out whole.
             text = self.tokenizer.decode(emitted, skip_special_tokens=True)
@@ -94,17 +102,24 @@ class Speculator:
 
 
 def load(target: str | Path = DEFAULT_TARGET, method: str = "vanilla", draft: str | Path | None = None,
-         dtype: str = "auto", device: str = "cpu", max_length: int | None = None, **options: Any) -> Speculator:
+         dtype: str = "auto", device: str = "cpu", max_length: int | None = None, acceptance: str = "lossless",
+         typical_threshold: float | None = None, typical_alpha: float | None = None, **options: Any) -> Speculator:
     """Load a local Hugging Face causal LM and a drafting method.
 
-    method: vanilla, sps, pld, eagle, eagle2; ``draft`` is the draft model directory for sps or
-    the head directory for eagle/eagle2 (the bundled target's own head when omitted for it).
+    method: one of specula.drafters.METHODS; ``draft`` is the draft model directory for sps or the
+    head directory for eagle/eagle2/eagle3/medusa/ada (the bundled target's own when omitted for it).
     ``options`` go to the drafter (e.g. ``num_tokens=5`` for sps and pld, ``total_tokens=10`` for eagle2).
     ada: ``draft`` is an EAGLE head, ``ldlp=DIR`` its length predictor (default ``draft/ldlp``),
     ``tree=True`` drafts a dynamic tree of the predicted depth instead of a chain.
+    ``acceptance="typical"`` swaps the lossless rule for Medusa's typical acceptance (ε, δ from
+    ``typical_threshold``, ``typical_alpha``): longer accepted paths, but LOSSY at temperature > 0.
     """
+    from specula.acceptance_typical import make_acceptor
+
+    thresholds = {"posterior_threshold": typical_threshold, "posterior_alpha": typical_alpha}
+    acceptor = make_acceptor(acceptance, **{k: v for k, v in thresholds.items() if v is not None})
     target_model = Target.load(target, dtype=dtype, device=device, max_length=max_length)
     if draft is None and method in DEFAULT_HEADS and Path(target).resolve() == DEFAULT_TARGET:
         draft = DEFAULT_HEADS[method]
     drafter = build_drafter(method, target_model, None if draft is None else str(draft), dtype=dtype, **options)
-    return Speculator(target_model, method, drafter)
+    return Speculator(target_model, method, drafter, acceptor)

@@ -103,6 +103,11 @@ def add_generate(subparsers: argparse._SubParsersAction) -> None:
                    help="ada: the draft length predictor (default: DRAFT/ldlp; `specula train ldlp`)")
     p.add_argument("--ada-tree", action="store_true",
                    help="ada: draft an EAGLE-2 dynamic tree of the predicted depth instead of a chain")
+    p.add_argument("--acceptance", choices=("lossless", "typical"), default="lossless",
+                   help="lossless (default) keeps the target's exact output; typical is Medusa's typical "
+                        "acceptance: longer accepted paths but LOSSY at T > 0")
+    p.add_argument("--typical-threshold", type=float, metavar="EPS", help="typical acceptance ε (default: 0.09)")
+    p.add_argument("--typical-alpha", type=float, metavar="DELTA", help="typical acceptance δ (default: 0.3)")
     p.add_argument("--json", action="store_true", help="print one JSON object with the text and statistics")
     p.set_defaults(handler=run_generate)
 
@@ -158,14 +163,21 @@ def run_generate(args: argparse.Namespace) -> int:
     # Check the sampling settings before loading models, which can take far longer than a typo deserves.
     specula.SamplingParams(args.temperature, args.top_k, args.top_p)
     options = drafter_options(args)
+    if args.acceptance != "typical" and (args.typical_threshold is not None or args.typical_alpha is not None):
+        raise SpeculaError("--typical-threshold and --typical-alpha apply only with --acceptance typical")
+    if args.acceptance == "typical" and args.temperature > 0:
+        print(f"{PROG}: warning: --acceptance typical is lossy: at temperature > 0 the output is not distributed "
+              "as the target's", file=sys.stderr)
     speculator = specula.load(args.target, method=args.method, draft=args.draft, dtype=args.dtype,
-                              device=args.device, **options)
+                              device=args.device, acceptance=args.acceptance,
+                              typical_threshold=args.typical_threshold, typical_alpha=args.typical_alpha, **options)
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                     top_k=args.top_k, seed=args.seed)
     if args.json:
         result = speculator.generate(prompt, **sampling)
-        report = {"method": args.method, "text": result.text, "token_ids": result.token_ids,
-                  **result.stats.as_dict()}
+        report = {"method": args.method, "acceptance": args.acceptance,
+                  "lossless": speculator.lossless or args.temperature == 0,  # typical is greedy matching at T=0
+                  "text": result.text, "token_ids": result.token_ids, **result.stats.as_dict()}
         print(json.dumps(report))
         return 0
     stats = GenerationStats()

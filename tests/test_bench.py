@@ -428,3 +428,15 @@ def test_namespace_handlers_are_set():
     for command in (["bench", "--out", "x"], ["calibrate", "--method", "pld"]):
         assert callable(p.parse_args(command).handler)
     assert isinstance(p.parse_args(["bench"]), argparse.Namespace)
+
+
+def test_typical_acceptance_rows_are_marked_lossy(tmp_path, story_questions):
+    config = tmp_path / "bench.toml"
+    config.write_text('[methods.pld-typical]\nmethod = "pld"\nacceptance = "typical"\nposterior_alpha = 0.2\n')
+    out = tmp_path / "out"
+    argv = bench_args(story_questions, out, "--config", config, "--limit", 1)
+    argv[argv.index("--methods") + 1] = "vanilla,pld-typical"
+    argv[argv.index("--temperature") + 1] = "1"
+    assert run_command(*argv) == 0
+    table = (out / "results.md").read_text()
+    assert "| pld-typical (typical acceptance, LOSSY) |" in table and "| vanilla |" in table

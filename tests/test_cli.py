@@ -274,3 +274,19 @@ def test_plain_text_streams_the_same_text(capfd, tmp_path, json_runs):
     assert summary[0].startswith(f"[vanilla] {json_runs['vanilla']['new_tokens']} new tokens in ")
     assert "tau 1.00" in summary[0]
     assert "tokens/s" in summary[0]
+
+
+def test_typical_acceptance_is_opt_in_labelled_lossy_and_warned(capfd):
+    common = ["generate", "--target", str(STORIES), "--method", "pld", "--prompt", PROMPT, "--max-new-tokens", "8",
+              "--json", "--seed", "1"]
+    code, out, err = run(capfd, *common, "--temperature", "0.8")
+    assert code == 0 and json.loads(out)["lossless"] is True and json.loads(out)["acceptance"] == "lossless"
+    assert "lossy" not in err
+    code, out, err = run(capfd, *common, "--temperature", "0.8", "--acceptance", "typical", "--typical-alpha", "0.2")
+    report = json.loads(out)
+    assert code == 0 and report["acceptance"] == "typical" and report["lossless"] is False
+    assert "warning: --acceptance typical is lossy" in err
+    code, out, _ = run(capfd, *common, "--acceptance", "typical")  # at T=0 it is greedy matching: exact
+    assert code == 0 and json.loads(out)["lossless"] is True
+    code, out, err = run(capfd, *common, "--typical-alpha", "0.2")
+    assert code == 2 and out == "" and err.startswith("specula: error:") and "--acceptance typical" in err

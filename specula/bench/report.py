@@ -15,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from specula.bench.metrics import calibration_curve
+from specula.bench.runners import is_lossy
 
 PLOTS = ("speedup_tau.png", "acceptance_by_depth.png", "calibration.png")
 DEPTH_COLUMNS = 5
@@ -32,6 +33,12 @@ def _categories(table: dict) -> list[str]:
             if category != "overall":
                 seen.setdefault(category, None)
     return list(seen)
+
+
+def _row_label(label: str, settings: dict) -> str:
+    """A method's row name; rows run with the lossy typical acceptance say so."""
+    spec = settings.get("methods", {}).get(label) or {}
+    return f"{label} (typical acceptance, LOSSY)" if is_lossy(spec.get("options") or {}) else label
 
 
 def markdown(results: dict) -> str:
@@ -66,7 +73,7 @@ def markdown(results: dict) -> str:
             for category in categories + ["overall"]:
                 s = row.get(category)
                 cells.append("" if s is None else f"{_num(s['speedup'], '.2f', '×')} / {_num(s['tau'], '.2f')}")
-            lines.append(f"| {method} | " + " | ".join(cells) + " |")
+            lines.append(f"| {_row_label(method, settings)} | " + " | ".join(cells) + " |")
         greedy = temperature in ("0", "0.0")
         best_hf = next((r["overall"].get("best_hf") for r in table.values() if r["overall"].get("best_hf")), None)
         lines += ["", f"Overall details at T={temperature}:", ""]

@@ -204,15 +204,28 @@ class RecordingDrafter:
         self.inner.observe(accepted, target_out)
 
 
+ACCEPTANCE_OPTIONS = ("acceptance", "posterior_threshold", "posterior_alpha")
+
+
+def is_lossy(options: dict) -> bool:
+    """Whether a method's options select the lossy typical acceptance."""
+    return options.get("acceptance", "lossless") == "typical"
+
+
 class SpeculaRunner:
     """One of our methods on the shared target."""
 
     def __init__(self, spec: MethodSpec, target: Target, dtype: str):
+        from specula.acceptance_typical import make_acceptor
         from specula.drafters import build_drafter
 
         self.spec = spec
         self.target = target
-        self.drafter = RecordingDrafter(build_drafter(spec.method, target, spec.draft, dtype=dtype, **spec.options))
+        options = dict(spec.options)
+        # Acceptance options choose the rule, not the drafter (typical is lossy and marked in the report).
+        acceptance = {key: options.pop(key) for key in ACCEPTANCE_OPTIONS if key in options}
+        self.acceptor = make_acceptor(acceptance.pop("acceptance", "lossless"), **acceptance)
+        self.drafter = RecordingDrafter(build_drafter(spec.method, target, spec.draft, dtype=dtype, **options))
         draft = getattr(self.drafter.inner, "draft", None)
         self.draft_model = draft if isinstance(draft, Target) else None  # a separate model with its own context
 
@@ -224,7 +237,8 @@ class SpeculaRunner:
         _cuda_reset(device)
         _sync(device)
         start = time.perf_counter()
-        tokens, stats = generate_tokens(self.target, self.drafter, ids, max_new_tokens, params, seed)
+        tokens, stats = generate_tokens(self.target, self.drafter, ids, max_new_tokens, params, seed,
+                                        acceptor=self.acceptor)
         _sync(device)
         wall = time.perf_counter() - start
         tried, hits, calibration = analyse_cycles(self.drafter.cycles)
