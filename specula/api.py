@@ -103,7 +103,8 @@ class Speculator:
 
 def load(target: str | Path = DEFAULT_TARGET, method: str = "vanilla", draft: str | Path | None = None,
          dtype: str = "auto", device: str = "cpu", max_length: int | None = None, acceptance: str = "lossless",
-         typical_threshold: float | None = None, typical_alpha: float | None = None, **options: Any) -> Speculator:
+         typical_threshold: float | None = None, typical_alpha: float | None = None, profile: bool | str | Path = True,
+         **options: Any) -> Speculator:
     """Load a local Hugging Face causal LM and a drafting method.
 
     method: one of specula.drafters.METHODS; ``draft`` is the draft model directory for sps or the
@@ -113,13 +114,19 @@ def load(target: str | Path = DEFAULT_TARGET, method: str = "vanilla", draft: st
     ``tree=True`` drafts a dynamic tree of the predicted depth instead of a chain.
     ``acceptance="typical"`` swaps the lossless rule for Medusa's typical acceptance (ε, δ from
     ``typical_threshold``, ``typical_alpha``): longer accepted paths, but LOSSY at temperature > 0.
+    ``profile``: a hardware profile written by `specula calibrate` for this target (True: the default
+    location, a path: that file, False: none) supplies drafter options not given in ``options``.
     """
     from specula.acceptance_typical import make_acceptor
+    from specula.bench.profile import load_profile, profile_defaults
 
     thresholds = {"posterior_threshold": typical_threshold, "posterior_alpha": typical_alpha}
     acceptor = make_acceptor(acceptance, **{k: v for k, v in thresholds.items() if v is not None})
     target_model = Target.load(target, dtype=dtype, device=device, max_length=max_length)
     if draft is None and method in DEFAULT_HEADS and Path(target).resolve() == DEFAULT_TARGET:
         draft = DEFAULT_HEADS[method]
+    if profile is not False:
+        measured = load_profile(Path(target).resolve().name, None if profile is True else profile)
+        options = {**profile_defaults(measured, method, device), **options}
     drafter = build_drafter(method, target_model, None if draft is None else str(draft), dtype=dtype, **options)
     return Speculator(target_model, method, drafter, acceptor)

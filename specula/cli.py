@@ -103,6 +103,8 @@ def add_generate(subparsers: argparse._SubParsersAction) -> None:
                    help="ada: the draft length predictor (default: DRAFT/ldlp; `specula train ldlp`)")
     p.add_argument("--ada-tree", action="store_true",
                    help="ada: draft an EAGLE-2 dynamic tree of the predicted depth instead of a chain")
+    p.add_argument("--no-profile", action="store_true",
+                   help="ignore the hardware profile `specula calibrate` wrote for this target")
     p.add_argument("--acceptance", choices=("lossless", "typical"), default="lossless",
                    help="lossless (default) keeps the target's exact output; typical is Medusa's typical "
                         "acceptance: longer accepted paths but LOSSY at T > 0")
@@ -170,7 +172,8 @@ def run_generate(args: argparse.Namespace) -> int:
               "as the target's", file=sys.stderr)
     speculator = specula.load(args.target, method=args.method, draft=args.draft, dtype=args.dtype,
                               device=args.device, acceptance=args.acceptance,
-                              typical_threshold=args.typical_threshold, typical_alpha=args.typical_alpha, **options)
+                              typical_threshold=args.typical_threshold, typical_alpha=args.typical_alpha,
+                              profile=not args.no_profile, **options)
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                     top_k=args.top_k, seed=args.seed)
     if args.json:

@@ -101,3 +101,17 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def no_machine_profile(tmp_path_factory):
+    """Keep a hardware profile left on this machine by `specula calibrate` from changing test defaults."""
+    import os
+
+    previous = os.environ.get("SPECULA_CACHE_DIR")
+    os.environ["SPECULA_CACHE_DIR"] = str(tmp_path_factory.mktemp("specula-cache"))
+    yield
+    if previous is None:
+        os.environ.pop("SPECULA_CACHE_DIR", None)
+    else:
+        os.environ["SPECULA_CACHE_DIR"] = previous

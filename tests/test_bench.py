@@ -440,3 +440,14 @@ def test_typical_acceptance_rows_are_marked_lossy(tmp_path, story_questions):
     assert run_command(*argv) == 0
     table = (out / "results.md").read_text()
     assert "| pld-typical (typical acceptance, LOSSY) |" in table and "| vanilla |" in table
+
+
+def test_generate_takes_profile_defaults_under_explicit_options(tmp_path, monkeypatch):
+    import specula
+
+    monkeypatch.setenv("SPECULA_CACHE_DIR", str(tmp_path))
+    save_profile({"target": "stories260k", "device": "cpu", "methods": {"pld": {"defaults": {"num_tokens": 2}}}},
+                 tmp_path / "profile-stories260k.json")
+    assert specula.load(STORIES, method="pld").drafter.num_tokens == 2
+    assert specula.load(STORIES, method="pld", num_tokens=7).drafter.num_tokens == 7
+    assert specula.load(STORIES, method="pld", profile=False).drafter.num_tokens != 2
