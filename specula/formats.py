@@ -25,8 +25,9 @@ from pathlib import Path
 import torch
 
 from specula.errors import SpeculaError
+from specula.heads.checkpoint import load_checked, load_state_dict, save_checkpoint
 from specula.heads.eagle3_head import ARCHITECTURE, Eagle3Head
-from specula.heads.eagle_head import CONFIG_KEYS, _atomic_write, load_state_dict
+from specula.heads.eagle_head import CONFIG_KEYS
 
 FORMATS = ("eagle3", "speculators")
 SPECULATORS_VERSION = "0.3.0"  # the speculators release whose config fields this writes
@@ -76,8 +77,6 @@ def _target_info(target_dir: Path | None) -> tuple[dict, torch.Tensor | None]:
 def save_speculators(head: Eagle3Head, out: str | Path, target_dir: str | Path,
                      speculative_tokens: int = 3) -> None:
     """Write ``head`` in the speculators layout; the target supplies the embedding and the verifier fields."""
-    from safetensors.torch import save_file
-
     target_dir = Path(target_dir)
     target_config, embedding = _target_info(target_dir)
     if embedding.shape != (head.vocab_size, head.hidden_size):
@@ -114,10 +113,7 @@ def save_speculators(head: Eagle3Head, out: str | Path, target_dir: str | Path,
     if head.d2t is None:  # speculators always carries the maps; the identity for a full vocabulary
         state["d2t"] = torch.zeros(head.vocab_size, dtype=torch.long)
         state["t2d"] = torch.ones(head.vocab_size, dtype=torch.bool)
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    _atomic_write(out / "model.safetensors", lambda path: save_file(state, path))
-    _atomic_write(out / "config.json", lambda path: Path(path).write_text(json.dumps(config, indent=2)))
+    save_checkpoint(out, state, config)
 
 
 def _from_speculators(directory: Path) -> Eagle3Head:
@@ -145,16 +141,7 @@ def _from_speculators(directory: Path) -> Eagle3Head:
         renamed.pop("d2t", None)
         renamed.pop("t2d", None)
     head = Eagle3Head(head_config)
-    expected = {k for k in head.state_dict() if "rotary_emb" not in k}
-    missing, unexpected = expected - set(renamed), set(renamed) - expected
-    if missing or unexpected:
-        raise SpeculaError(f"speculators checkpoint {directory} does not match its config: missing "
-                           f"{sorted(missing)[:4]}, unexpected {sorted(unexpected)[:4]}")
-    for name, tensor in renamed.items():
-        if head.state_dict()[name].shape != tensor.shape:
-            raise SpeculaError(f"speculators tensor {name} has shape {tuple(tensor.shape)}, "
-                               f"its config implies {tuple(head.state_dict()[name].shape)}")
-    head.load_state_dict(renamed, strict=False)
+    load_checked(head, renamed, f"speculators checkpoint {directory}")
     return head.to(dtype=renamed["fc.weight"].dtype).eval()
 
 

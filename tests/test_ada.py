@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -95,8 +96,12 @@ def test_ldlp_that_does_not_fit_the_target_or_head_is_refused(stories_target, tm
     LengthPredictor.for_target(stories_target.config, head_fingerprint="0" * 16).save_pretrained(tmp_path / "other")
     with pytest.raises(SpeculaError, match="another EAGLE head"):
         specula.load(STORIES, method="ada", draft=HEAD, ldlp=tmp_path / "other", dtype="float32")
+    bare = tmp_path / "bare-head"  # the head without its ldlp/ subfolder
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(HEAD / name, bare / name)
     with pytest.raises(SpeculaError, match="no LDLP"):
-        specula.load(STORIES, method="ada", draft=HEAD, dtype="float32")  # HEAD has no ldlp/ subfolder
+        specula.load(STORIES, method="ada", draft=bare, dtype="float32")
     with pytest.raises(SpeculaError, match="predicts the depth"):
         specula.load(STORIES, method="ada", draft=HEAD, ldlp=tmp_path / "other", depth=3, dtype="float32")
 
@@ -251,7 +256,8 @@ def test_cli_trains_an_ldlp_that_serves_generate(capfd, tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["generate", "--target", STORIES, "--method", "ada", "--draft", HEAD, "--prompt", "Hi"], "no LDLP"),
+    (["generate", "--target", STORIES, "--method", "ada", "--draft", HEAD, "--ldlp", HEAD / "absent", "--prompt",
+      "Hi"], "no LDLP"),
     (["generate", "--target", STORIES, "--method", "ada", "--prompt", "Hi"], "needs --draft"),
     (["generate", "--target", STORIES, "--method", "eagle2", "--draft", HEAD, "--ldlp", HEAD, "--prompt", "Hi"],
      "only to method ada"),

@@ -36,7 +36,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from specula.errors import SpeculaError
-from specula.heads.eagle_head import CONFIG_KEYS, _atomic_write, llama_config, load_state_dict
+from specula.heads.checkpoint import load_checked, load_state_dict, save_checkpoint
+from specula.heads.eagle_head import CONFIG_KEYS, llama_config
 from specula.static_cache import StaticKVCache, decoder_layer_step, rotary_function
 from specula.target import FeatureRequest, ForwardOutput
 
@@ -240,14 +241,9 @@ class Eagle3Head(nn.Module):
 
     def save_pretrained(self, directory: str | Path) -> None:
         """Write config.json and model.safetensors atomically."""
-        from safetensors.torch import save_file
-
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items() if "rotary_emb" not in k}
-        config = dict(self.config, torch_dtype=str(self.fc.weight.dtype).removeprefix("torch."))
-        _atomic_write(directory / "model.safetensors", lambda path: save_file(state, path))
-        _atomic_write(directory / "config.json", lambda path: Path(path).write_text(json.dumps(config, indent=2)))
+        state = {k: v for k, v in self.state_dict().items() if "rotary_emb" not in k}
+        dtype = str(self.fc.weight.dtype).removeprefix("torch.")
+        save_checkpoint(directory, state, dict(self.config, torch_dtype=dtype))
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, dtype: torch.dtype | None = None,
@@ -274,16 +270,7 @@ class Eagle3Head(nn.Module):
         config["eagle_config"] = eagle_config
         config.setdefault("draft_vocab_size", state["lm_head.weight"].shape[0])
         head = cls(config)
-        expected = {k for k in head.state_dict() if "rotary_emb" not in k}
-        missing, unexpected = expected - set(state), set(state) - expected
-        if missing or unexpected:
-            raise SpeculaError(f"EAGLE-3 head in {directory} does not match its config: missing "
-                               f"{sorted(missing)[:4]}, unexpected {sorted(unexpected)[:4]}")
-        for name, tensor in state.items():
-            if head.state_dict()[name].shape != tensor.shape:
-                raise SpeculaError(f"EAGLE-3 head tensor {name} has shape {tuple(tensor.shape)}, "
-                                   f"config implies {tuple(head.state_dict()[name].shape)}")
-        head.load_state_dict(state, strict=False)
+        load_checked(head, state, f"EAGLE-3 head in {directory}")
         if head.d2t is not None:
             mapped = torch.arange(head.draft_vocab_size) + head.d2t
             if (mapped.min() < 0 or mapped.max() >= head.vocab_size

@@ -18,14 +18,13 @@ for i > 0 (layer 0 normalises nothing at its input), in `model.safetensors` or
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from specula.errors import SpeculaError
+from specula.heads.checkpoint import load_checked, load_state_dict, save_checkpoint
 from specula.static_cache import StaticKVCache, decoder_layer_step, rotary_function
 from specula.target import FeatureRequest, ForwardOutput
 
@@ -135,14 +134,9 @@ class EagleHead(nn.Module):
 
     def save_pretrained(self, directory: str | Path) -> None:
         """Write config.json and model.safetensors atomically (write, then rename)."""
-        from safetensors.torch import save_file
-
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items() if "rotary_emb" not in k}
-        config = dict(self.config, torch_dtype=str(self.fc.weight.dtype).removeprefix("torch."))
-        _atomic_write(directory / "model.safetensors", lambda path: save_file(state, path))
-        _atomic_write(directory / "config.json", lambda path: Path(path).write_text(json.dumps(config, indent=2)))
+        state = {k: v for k, v in self.state_dict().items() if "rotary_emb" not in k}
+        dtype = str(self.fc.weight.dtype).removeprefix("torch.")
+        save_checkpoint(directory, state, dict(self.config, torch_dtype=dtype))
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, dtype: torch.dtype | None = None,
@@ -158,39 +152,6 @@ class EagleHead(nn.Module):
             config["num_hidden_layers"] = 1 + max(int(k.split(".")[1]) for k in state if k.startswith("layers."))
         config.setdefault("bias", "fc.bias" in state)
         head = cls(config)
-        expected = {k for k in head.state_dict() if "rotary_emb" not in k}
-        missing, unexpected = expected - set(state), set(state) - expected
-        if missing or unexpected:
-            raise SpeculaError(
-                f"EAGLE head in {directory} does not match its config: missing {sorted(missing)[:4]}, "
-                f"unexpected {sorted(unexpected)[:4]}"
-            )
-        for name, tensor in state.items():
-            if head.state_dict()[name].shape != tensor.shape:
-                raise SpeculaError(f"EAGLE head tensor {name} has shape {tuple(tensor.shape)}, "
-                                   f"config implies {tuple(head.state_dict()[name].shape)}")
-        head.load_state_dict(state, strict=False)
+        load_checked(head, state, f"EAGLE head in {directory}")
         return head.to(device=device, dtype=dtype or state["fc.weight"].dtype).eval()
 
-
-def load_state_dict(directory: Path) -> dict[str, torch.Tensor]:
-    """Tensors from model.safetensors or pytorch_model.bin in ``directory``."""
-    if (directory / "model.safetensors").is_file():
-        from safetensors.torch import load_file
-
-        return load_file(str(directory / "model.safetensors"))
-    if (directory / "pytorch_model.bin").is_file():
-        return torch.load(directory / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    raise SpeculaError(f"{directory} holds neither model.safetensors nor pytorch_model.bin")
-
-
-def _atomic_write(path: Path, write) -> None:
-    handle, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    os.close(handle)
-    try:
-        write(tmp)
-        os.chmod(tmp, 0o644)  # mkstemp makes files private; checkpoints are meant to be shared
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specula.errors import SpeculaError
-from specula.heads.eagle_head import _atomic_write, load_state_dict
+from specula.heads.checkpoint import load_checked, load_state_dict, save_checkpoint
 
 MODEL_TYPE = "specula-ldlp"
 CONFIG_KEYS = ("hidden_size", "embedding_size", "intermediate_size", "max_draft_length", "vocab_size")
@@ -70,14 +70,8 @@ class LengthPredictor(nn.Module):
 
     def save_pretrained(self, directory: str | Path) -> None:
         """Write config.json and model.safetensors atomically (write, then rename)."""
-        from safetensors.torch import save_file
-
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
         config = dict(self.config, torch_dtype=str(self.layers[0].weight.dtype).removeprefix("torch."))
-        _atomic_write(directory / "model.safetensors", lambda path: save_file(state, path))
-        _atomic_write(directory / "config.json", lambda path: Path(path).write_text(json.dumps(config, indent=2)))
+        save_checkpoint(directory, self.state_dict(), config)
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, dtype: torch.dtype | None = None,
@@ -95,16 +89,7 @@ class LengthPredictor(nn.Module):
                                f"expected {MODEL_TYPE!r})")
         predictor = cls(config)
         state = load_state_dict(directory)
-        expected = predictor.state_dict()
-        missing, unexpected = set(expected) - set(state), set(state) - set(expected)
-        if missing or unexpected:
-            raise SpeculaError(f"LDLP in {directory} does not match its config: missing {sorted(missing)[:4]}, "
-                               f"unexpected {sorted(unexpected)[:4]}")
-        for name, tensor in state.items():
-            if tensor.shape != expected[name].shape:
-                raise SpeculaError(f"LDLP tensor {name} has shape {tuple(tensor.shape)}, config implies "
-                                   f"{tuple(expected[name].shape)}")
-        predictor.load_state_dict(state)
+        load_checked(predictor, state, f"LDLP in {directory}")
         return predictor.to(device=device, dtype=dtype or state["layers.0.weight"].dtype).eval()
 
     def check_fits(self, hidden_size: int, vocab_size: int, head_fingerprint: str | None = None) -> None:

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specula.errors import SpeculaError
-from specula.heads.eagle_head import _atomic_write
+from specula.heads.checkpoint import atomic_write
 
 WEIGHT_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt", "model.safetensors")
 PREFIX = "medusa_head."
@@ -128,8 +128,8 @@ class MedusaHeads(nn.Module):
             write = lambda path: torch.save(state, path)  # noqa: E731
         dtype = str(next(self.parameters()).dtype).removeprefix("torch.")
         config = dict(self.config, torch_dtype=dtype)
-        _atomic_write(directory / f"medusa_lm_head.{weights}", write)
-        _atomic_write(directory / "config.json", lambda path: Path(path).write_text(json.dumps(config, indent=2)))
+        atomic_write(directory / f"medusa_lm_head.{weights}", write)
+        atomic_write(directory / "config.json", lambda path: Path(path).write_text(json.dumps(config, indent=2)))
         # The other format, left by an earlier save, would shadow these weights when loading.
         other = "pt" if weights == "safetensors" else "safetensors"
         (directory / f"medusa_lm_head.{other}").unlink(missing_ok=True)

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from specula.drafters.medusa import CHOICES_FILE, DEFAULT_CHOICES, build_choices, expected_accepted
 from specula.errors import SpeculaError
-from specula.heads.eagle_head import _atomic_write
+from specula.heads.checkpoint import atomic_write
 from specula.heads.medusa_head import MedusaHeads
 from specula.target import FeatureRequest, Target
 from specula.training.evaluation import mean_tau
@@ -127,7 +127,7 @@ def write_tree(path: Path, heads: MedusaHeads, samples, nodes: int = TREE_NODES,
               "accuracy": [[round(a, 4) for a in row] for row in accuracy.tolist()],
               "measured_on_samples": len(samples)}
     path.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(report, indent=1)))
+    atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(report, indent=1)))
     return report
 
 
