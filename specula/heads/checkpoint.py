@@ -43,6 +43,23 @@ def save_checkpoint(directory: str | Path, state: dict[str, torch.Tensor], confi
     atomic_write(directory / "config.json", lambda path: Path(path).write_text(json.dumps(config, indent=2)))
 
 
+def read_config(directory: Path, what: str, hint: str = "") -> dict:
+    """config.json of a checkpoint directory; ``what`` names it in errors, ``hint`` says how to get one."""
+    config_file = directory / "config.json"
+    if not config_file.is_file():
+        raise SpeculaError(f"{what} directory {directory} has no config.json{hint}")
+    try:
+        return json.loads(config_file.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise SpeculaError(f"{what} config {config_file} is not valid JSON: {err}") from err
+
+
+def save_module(module: nn.Module, directory: str | Path, config: dict, dtype: torch.dtype) -> None:
+    """A head's tensors (less computed rotary buffers) and its config stamped with ``dtype``, atomically."""
+    state = {k: v for k, v in module.state_dict().items() if "rotary_emb" not in k}
+    save_checkpoint(directory, state, dict(config, torch_dtype=str(dtype).removeprefix("torch.")))
+
+
 def load_state_dict(directory: Path) -> dict[str, torch.Tensor]:
     """Tensors from model.safetensors or pytorch_model.bin in ``directory``."""
     if (directory / "model.safetensors").is_file():

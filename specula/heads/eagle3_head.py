@@ -27,7 +27,6 @@ feature EAGLE uses; only for the ablation of the paper's Table 2).
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -36,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specula.errors import SpeculaError
-from specula.heads.checkpoint import load_checked, load_state_dict, save_checkpoint
+from specula.heads.checkpoint import load_checked, load_state_dict, read_config, save_module
 from specula.heads.eagle_head import CONFIG_KEYS, llama_config
 from specula.static_cache import StaticKVCache, decoder_layer_step, rotary_function
 from specula.target import FeatureRequest, ForwardOutput
@@ -241,19 +240,14 @@ class Eagle3Head(nn.Module):
 
     def save_pretrained(self, directory: str | Path) -> None:
         """Write config.json and model.safetensors atomically."""
-        state = {k: v for k, v in self.state_dict().items() if "rotary_emb" not in k}
-        dtype = str(self.fc.weight.dtype).removeprefix("torch.")
-        save_checkpoint(directory, state, dict(self.config, torch_dtype=dtype))
+        save_module(self, directory, self.config, self.fc.weight.dtype)
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, dtype: torch.dtype | None = None,
                         device: str | torch.device = "cpu", num_target_layers: int | None = None) -> Eagle3Head:
         """Load an official-layout EAGLE-3 head; ``num_target_layers`` fills in the default fused layers."""
         directory = Path(directory)
-        config_file = directory / "config.json"
-        if not config_file.is_file():
-            raise SpeculaError(f"EAGLE-3 head directory {directory} has no config.json")
-        config = json.loads(config_file.read_text())
+        config = read_config(directory, "EAGLE-3 head")
         state = load_state_dict(directory)
         state = {k: v for k, v in state.items() if not k.startswith("embed_tokens.")}
         if "fc.weight" not in state or "midlayer.self_attn.q_proj.weight" not in state:

@@ -17,14 +17,12 @@ for i > 0 (layer 0 normalises nothing at its input), in `model.safetensors` or
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from specula.errors import SpeculaError
-from specula.heads.checkpoint import load_checked, load_state_dict, save_checkpoint
+from specula.heads.checkpoint import load_checked, load_state_dict, read_config, save_module
 from specula.static_cache import StaticKVCache, decoder_layer_step, rotary_function
 from specula.target import FeatureRequest, ForwardOutput
 
@@ -134,18 +132,13 @@ class EagleHead(nn.Module):
 
     def save_pretrained(self, directory: str | Path) -> None:
         """Write config.json and model.safetensors atomically (write, then rename)."""
-        state = {k: v for k, v in self.state_dict().items() if "rotary_emb" not in k}
-        dtype = str(self.fc.weight.dtype).removeprefix("torch.")
-        save_checkpoint(directory, state, dict(self.config, torch_dtype=dtype))
+        save_module(self, directory, self.config, self.fc.weight.dtype)
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, dtype: torch.dtype | None = None,
                         device: str | torch.device = "cpu") -> EagleHead:
         directory = Path(directory)
-        config_file = directory / "config.json"
-        if not config_file.is_file():
-            raise SpeculaError(f"EAGLE head directory {directory} has no config.json")
-        config = json.loads(config_file.read_text())
+        config = read_config(directory, "EAGLE head")
         state = load_state_dict(directory)
         state = {k: v for k, v in state.items() if not k.startswith(("embed_tokens.", "lm_head."))}
         if "num_hidden_layers" not in config:

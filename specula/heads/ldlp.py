@@ -16,7 +16,6 @@ Checkpoint: ``config.json`` (``model_type`` "specula-ldlp", sizes, ``max_draft_l
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
 import torch
@@ -24,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specula.errors import SpeculaError
-from specula.heads.checkpoint import load_checked, load_state_dict, save_checkpoint
+from specula.heads.checkpoint import load_checked, load_state_dict, read_config, save_module
 
 MODEL_TYPE = "specula-ldlp"
 CONFIG_KEYS = ("hidden_size", "embedding_size", "intermediate_size", "max_draft_length", "vocab_size")
@@ -70,20 +69,13 @@ class LengthPredictor(nn.Module):
 
     def save_pretrained(self, directory: str | Path) -> None:
         """Write config.json and model.safetensors atomically (write, then rename)."""
-        config = dict(self.config, torch_dtype=str(self.layers[0].weight.dtype).removeprefix("torch."))
-        save_checkpoint(directory, self.state_dict(), config)
+        save_module(self, directory, self.config, self.layers[0].weight.dtype)
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, dtype: torch.dtype | None = None,
                         device: str | torch.device = "cpu") -> LengthPredictor:
         directory = Path(directory)
-        config_file = directory / "config.json"
-        if not config_file.is_file():
-            raise SpeculaError(f"LDLP directory {directory} has no config.json (train one with `specula train ldlp`)")
-        try:
-            config = json.loads(config_file.read_text())
-        except json.JSONDecodeError as err:
-            raise SpeculaError(f"LDLP config {config_file} is not valid JSON: {err}") from err
+        config = read_config(directory, "LDLP", " (train one with `specula train ldlp`)")
         if config.get("model_type") != MODEL_TYPE:
             raise SpeculaError(f"{directory} is not an LDLP (model_type {config.get('model_type')!r}, "
                                f"expected {MODEL_TYPE!r})")
