@@ -9,6 +9,7 @@ in the KV cache and emits the accepted drafts plus the target's own next token.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -20,11 +21,20 @@ from specula.drafters.base import Drafter
 from specula.errors import SpeculaError
 from specula.sampling import SamplingParams, make_generator, pick_token
 from specula.target import Target
+from specula.tree import DraftTree
 
 
 @dataclass
 class GenerationStats:
-    """Per-call counters. Times are wall-clock seconds."""
+    """Per-call counters. Times are wall-clock seconds.
+
+    With ``record_nodes=True`` (off by default, so plain decoding pays nothing) ``nodes`` gets one
+    list per verify cycle, aligned with ``accepted_lengths``: a ``(confidence, accepted, depth)``
+    tuple for each *tested* draft node, i.e. each node whose parent lies on the accepted path (the
+    root included) — the nodes the acceptor actually judged. ``accepted`` says whether the node is
+    itself on the accepted path; ``confidence`` is the drafter's probability of the node's token
+    given its parent (`DraftTree.node_confidences`), NaN when the drafter does not know it.
+    """
 
     prompt_tokens: int = 0
     new_tokens: int = 0
@@ -36,6 +46,8 @@ class GenerationStats:
     verify_time: float = 0.0
     total_time: float = 0.0
     stop_reason: str = ""
+    record_nodes: bool = False
+    nodes: list[list[tuple[float, bool, int]]] = field(default_factory=list)
 
     @property
     def tau(self) -> float:
@@ -54,6 +66,7 @@ class GenerationStats:
             "prefill_time": round(self.prefill_time, 5), "draft_time": round(self.draft_time, 5),
             "verify_time": round(self.verify_time, 5), "total_time": round(self.total_time, 5),
             "stop_reason": self.stop_reason,
+            **({"nodes": self.nodes} if self.record_nodes else {}),
         }
 
 
@@ -109,9 +122,26 @@ def stream_tokens(target: Target, drafter: Drafter, prompt: torch.Tensor, max_ne
         stats.new_tokens += len(new)
         stats.accepted_lengths.append(result.accepted_drafts)
         stats.tree_sizes.append(len(tree) - 1)
+        if stats.record_nodes:
+            stats.nodes.append(node_records(tree, result.accepted_nodes))
         stats.stop_reason = _stop_reason(new, eos, stats.new_tokens, max_new_tokens, len(context), target)
         stats.total_time = time.perf_counter() - started
         yield new
+
+
+def node_records(tree: DraftTree, accepted_nodes: list[int]) -> list[tuple[float, bool, int]]:
+    """(confidence, accepted, depth) of each node whose parent is on the accepted path, in node order.
+
+    ``accepted_nodes`` runs from the root (0) to the last accepted node. Nodes under a rejected
+    node were never judged, so they say nothing about acceptance and are left out.
+    """
+    on_path = set(accepted_nodes)
+    tested = [i for i in range(1, len(tree)) if tree.parents[i] in on_path]
+    if not tested:
+        return []
+    confidences = tree.node_confidences(tested) or [math.nan] * len(tested)
+    depths = tree.depths
+    return [(c, i in on_path, depths[i]) for c, i in zip(confidences, tested, strict=True)]
 
 
 def _clip(new: list[int], eos: set[int], budget: int) -> list[int]:
@@ -136,9 +166,10 @@ def _stop_reason(new: list[int], eos: set[int], produced: int, max_new_tokens: i
 
 def generate_tokens(target: Target, drafter: Drafter, prompt: torch.Tensor, max_new_tokens: int,
                     params: SamplingParams, seed: int | None = None, stop_on_eos: bool = True,
-                    acceptor: Acceptor | None = None) -> tuple[list[int], GenerationStats]:
-    """Run the loop to the end; returns (new token ids, stats)."""
-    stats = GenerationStats()
+                    acceptor: Acceptor | None = None, record_nodes: bool = False,
+                    ) -> tuple[list[int], GenerationStats]:
+    """Run the loop to the end; returns (new token ids, stats). ``record_nodes``: see `GenerationStats`."""
+    stats = GenerationStats(record_nodes=record_nodes)
     tokens: list[int] = []
     for chunk in stream_tokens(target, drafter, prompt, max_new_tokens, params, seed, stop_on_eos,
                                acceptor, stats):

@@ -56,6 +56,21 @@ class DraftTree:
     def __len__(self) -> int:
         return len(self.parents)
 
+    def node_confidences(self, nodes: list[int]) -> list[float] | None:
+        """The drafter's probability of each of ``nodes``' tokens given its parent, or None if unknown.
+
+        From ``confidences`` when the drafter set it, else from ``draft_probs[i, tokens[i]]``
+        (sampled drafts); None for drafts with neither (prompt lookup).
+        """
+        if self.confidences is not None:
+            confidences = torch.as_tensor(self.confidences)
+            return confidences[nodes].float().tolist()
+        if self.draft_probs is not None:
+            device = self.draft_probs.device
+            rows, tokens = torch.tensor(nodes, dtype=torch.long, device=device), self.tokens[nodes].to(device)
+            return self.draft_probs[rows, tokens].float().tolist()
+        return None
+
     @property
     def depths(self) -> list[int]:
         """Depth of each node; the root has depth 0."""

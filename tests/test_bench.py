@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -15,8 +16,9 @@ from specula.bench import metrics, theory
 from specula.bench.config import method_specs, parse_option, read_config
 from specula.bench.profile import load_profile, profile_defaults, save_profile
 from specula.bench.questions import load_questions, read_questions, select
-from specula.bench.runners import analyse_cycles
+from specula.bench.runners import analyse_nodes
 from specula.bench.suite import run_question as _original_run_question
+from specula.decoding import node_records
 from specula.errors import SpeculaError
 from specula.tree import DraftTree
 
@@ -93,21 +95,79 @@ def test_calibration_histogram():
     assert [(round(c, 3), a, n) for c, a, n in curve] == [(0.025, 0.5, 2), (0.985, 1.0, 2)]
 
 
-def test_analyse_cycles_walks_the_accepted_path_of_a_tree():
-    # root(5) -> 7 (conf .9) -> 8 (conf .6); root -> 9 (conf .1). Accepted: 7 then not 8.
-    tree = DraftTree(torch.tensor([5, 7, 9, 8]), [-1, 0, 0, 1])
-    tree.confidences = [1.0, 0.9, 0.1, 0.6]
-    tried, hits, cal = analyse_cycles([(tree, torch.tensor([5, 7]))])
-    assert (tried, hits) == ([1, 1], [1, 0])
-    curve = metrics.calibration_curve(cal)
-    assert sum(n for _, _, n in curve) == 3  # both children of the root and the child of 7 were tried
-    # Sampled siblings may repeat a token: the accepted path is the one that spells all accepted tokens.
-    twins = DraftTree(torch.tensor([5, 7, 7, 8]), [-1, 0, 0, 2])
-    tried, hits, _ = analyse_cycles([(twins, torch.tensor([5, 7, 8]))])
-    assert (tried, hits) == ([1, 1], [1, 1])
-    chain = DraftTree.chain(5, [1, 2])
-    tried, hits, cal = analyse_cycles([(chain, torch.tensor([5, 1, 2]))])
-    assert (tried, hits, cal) == ([1, 1], [1, 1], None)  # all accepted, nothing deeper tried; no confidences
+def test_node_records_are_the_tested_children_of_the_accepted_path():
+    # root(5) -> 7 (conf .9) -> 8 (conf .6) -> 4 (conf .5); root -> 9 (conf .1). Accepted: 7, then 8 rejected.
+    tree = DraftTree(torch.tensor([5, 7, 9, 8, 4]), [-1, 0, 0, 1, 3],
+                     confidences=torch.tensor([1.0, 0.9, 0.1, 0.6, 0.5]))
+    nodes = node_records(tree, [0, 1])
+    # Both children of the root and the child of 7 were judged; 4, under the rejected 8, never was.
+    assert nodes == [(pytest.approx(0.9), True, 1), (pytest.approx(0.1), False, 1), (pytest.approx(0.6), False, 2)]
+    # Sampled drafts: the confidence is the draft distribution's probability of the token.
+    probs = torch.zeros(2, 10)
+    probs[:, 1], probs[:, 2] = 0.25, 0.75
+    chain = DraftTree.chain(5, [1, 2], draft_probs=probs)
+    assert node_records(chain, [0, 1, 2]) == [(0.25, True, 1), (0.75, True, 2)]
+    # Prompt lookup knows no confidence: NaN, still counted by depth.
+    (confidence, accepted, depth), = node_records(DraftTree.chain(5, [1, 2]), [0])
+    assert math.isnan(confidence) and (accepted, depth) == (False, 1)
+
+
+def test_analyse_nodes_counts_per_cycle_per_node_and_calibration():
+    # Cycle 1: the tree above (accepted 1 draft, depth 2 tried). Cycle 2: a chain accepted in full
+    # (nothing deeper to try). Cycle 3: lookup drafts without confidences, the first rejected.
+    cycles = [[(0.9, True, 1), (0.1, False, 1), (0.6, False, 2)],
+              [(0.8, True, 1), (0.7, True, 2)],
+              [(math.nan, False, 1)]]
+    out = analyse_nodes([1, 2, 0], cycles)
+    assert (out.depth_tried, out.depth_accepted) == ([3, 2], [2, 1])  # per cycle (n-α)
+    assert (out.node_depth_tried, out.node_depth_accepted) == ([4, 2], [2, 1])  # siblings count per node
+    curve = metrics.calibration_curve(out.calibration)
+    assert sum(n for _, _, n in curve) == 5 and curve[0] == (pytest.approx(0.1), 0.0, 1)
+    assert analyse_nodes([0], [[(math.nan, False, 1)]]).calibration is None
+
+
+def test_node_records_are_opt_in_and_match_the_accepted_lengths(stories_target):
+    from specula.decoding import generate_tokens
+    from specula.drafters.prompt_lookup import PromptLookupDrafter
+    from specula.sampling import SamplingParams
+
+    prompt = stories_target.tokenizer("Once upon a time. Once upon a time. Once upon", verbose=False).input_ids
+    args = (stories_target, PromptLookupDrafter(), torch.tensor(prompt), 24, SamplingParams())
+    plain_tokens, plain = generate_tokens(*args)
+    tokens, stats = generate_tokens(*args, record_nodes=True)
+    assert plain.nodes == [] and "nodes" not in plain.as_dict() and tokens == plain_tokens
+    assert len(stats.nodes) == len(stats.accepted_lengths) and any(stats.accepted_lengths)
+    for accepted, cycle in zip(stats.accepted_lengths, stats.nodes, strict=True):
+        assert sum(on_path for _, on_path, _ in cycle) == accepted  # one accepted node per accepted depth
+
+
+def test_report_plots_per_node_depth_and_accepts_older_records(tmp_path):
+    from specula.bench.report import write_report
+
+    old = record("a", "m", 1.0, depth_tried=[2], depth_accepted=[1])  # written before per-node counts existed
+    new = record("b", "m", 1.0, depth_tried=[2, 1], depth_accepted=[1, 0], node_depth_tried=[3, 1],
+                 node_depth_accepted=[1, 0], calibration=None)
+    table = metrics.aggregate([old, new], ["m"])
+    assert table["0"]["m"]["overall"]["node_acceptance_by_depth"] == [pytest.approx(1 / 3), 0.0]
+    assert metrics.aggregate([old], ["m"])["0"]["m"]["overall"]["node_acceptance_by_depth"] is None
+    results = {"settings": {"target": "t", "dtype": "float32", "device": "cpu", "threads": 1, "max_new_tokens": 8,
+                            "top_k": 0, "top_p": 1.0, "seed": 0, "data": ["q"], "methods": {}},
+               "records": [old, new], "aggregates": table}
+    for path in write_report(results, tmp_path):
+        assert path.stat().st_size > 0, path
+
+
+def test_typical_rows_are_lossy_only_above_temperature_zero():
+    from specula.bench.report import markdown
+
+    records = [record("a", "typ", 1.0, temperature=t) for t in (0.0, 1.0)]
+    results = {"settings": {"target": "t", "dtype": "float32", "device": "cpu", "threads": 1, "max_new_tokens": 8,
+                            "top_k": 0, "top_p": 1.0, "seed": 0, "data": ["q"],
+                            "methods": {"typ": {"method": "pld", "options": {"acceptance": "typical"}}}},
+               "records": records, "aggregates": metrics.aggregate(records, ["typ"])}
+    at_zero, at_one = markdown(results).split("## Temperature 1")
+    assert "| typ (typical acceptance, exact at T=0) |" in at_zero and "LOSSY" not in at_zero
+    assert "| typ (typical acceptance, LOSSY) |" in at_one
 
 
 # ---------------------------------------------------------------- question loaders

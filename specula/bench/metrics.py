@@ -13,6 +13,12 @@ for its fields. The definitions:
 - acceptance by depth (n-α): the d-th rate is the fraction of cycles whose
   accepted length is >= d among the cycles that tried a draft token at depth d
   (accepted length >= d - 1 and the last accepted node had a child to try);
+- acceptance by depth per node: the fraction of tested draft tokens at depth d
+  (those whose parent was accepted) that lie on the accepted path. Equal to n-α
+  for chains; lower in trees, where siblings compete (cf. EAGLE-2 Fig. 5);
+- calibration (EAGLE-2 Fig. 6): tested draft tokens binned by the drafter's own
+  probability of the token given its parent; a bin's acceptance rate is the
+  fraction of its tokens on the accepted path;
 - greedy equality: at T=0, the fraction of questions whose tokens equal vanilla's.
 """
 
@@ -146,14 +152,17 @@ def calibration_curve(cal: dict | None) -> list[tuple[float, float, int]]:
 
 def summarize(records: list[dict], baseline: list[dict] | None, greedy: bool) -> dict:
     """Every metric of one group of records (a method in a category, or overall)."""
-    tried, hits = [], []
+    tried, hits, node_tried, node_hits = [], [], [], []
     for r in records:
         tried = add_counts(tried, r.get("depth_tried") or [])
         hits = add_counts(hits, r.get("depth_accepted") or [])
+        node_tried = add_counts(node_tried, r.get("node_depth_tried") or [])
+        node_hits = add_counts(node_hits, r.get("node_depth_accepted") or [])
     draft_share, verify_share = time_shares(records)
     rss = [r["rss_mb"] for r in records if r.get("rss_mb") is not None]
     cuda = [r["cuda_peak_mb"] for r in records if r.get("cuda_peak_mb") is not None]
     has_depths = any(r.get("depth_tried") is not None for r in records)
+    has_nodes = any(r.get("node_depth_tried") is not None for r in records)  # absent from older records
     return {
         "questions": len(records),
         "new_tokens": sum(r["new_tokens"] for r in records),
@@ -163,6 +172,7 @@ def summarize(records: list[dict], baseline: list[dict] | None, greedy: bool) ->
         "alpha": pooled_alpha(tried, hits),
         "acceptance_by_depth": rates(tried, hits) if has_depths else None,
         "depth_tried": tried if has_depths else None,
+        "node_acceptance_by_depth": rates(node_tried, node_hits) if has_nodes else None,
         "draft_share": draft_share,
         "verify_share": verify_share,
         "peak_rss_mb": max(rss) if rss else None,

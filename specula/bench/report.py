@@ -5,9 +5,15 @@
   then per-method details (tokens/s, speedup over the best `transformers`
   baseline, greedy equality, acceptance by depth, time shares, memory).
 - ``speedup_tau.png``: speedup and τ per method and category.
-- ``acceptance_by_depth.png``: acceptance rate by depth in the draft (n-α; cf. EAGLE-2 Fig. 5).
+- ``acceptance_by_depth.png``: acceptance rate by depth in the draft (cf. EAGLE-2 Fig. 5), per
+  cycle (n-α, top row) and per tested draft token (bottom row; lower than n-α in trees, where
+  siblings compete; absent for records written before it was recorded).
 - ``calibration.png``: draft confidence against acceptance rate (EAGLE-2 Fig. 6), for
-  methods whose drafts carry confidences; the others are named as not available.
+  methods whose drafts carry confidences; the others are named as not available. A point is
+  a confidence bin of tested draft tokens (their parent was accepted); its acceptance rate
+  is the fraction of them on the accepted path. A calibrated drafter lies on the diagonal.
+
+Rows and plot labels of methods run with the lossy typical acceptance say so.
 """
 
 from __future__ import annotations
@@ -35,10 +41,16 @@ def _categories(table: dict) -> list[str]:
     return list(seen)
 
 
-def _row_label(label: str, settings: dict) -> str:
-    """A method's row name; rows run with the lossy typical acceptance say so."""
+def _row_label(label: str, settings: dict, temperature: str) -> str:
+    """A method's row name; rows run with the lossy typical acceptance say so.
+
+    At T=0 typical acceptance is greedy matching (exact), so only T > 0 rows are marked LOSSY.
+    """
     spec = settings.get("methods", {}).get(label) or {}
-    return f"{label} (typical acceptance, LOSSY)" if is_lossy(spec.get("options") or {}) else label
+    if not is_lossy(spec.get("options") or {}):
+        return label
+    exact = float(temperature) == 0
+    return f"{label} (typical acceptance, {'exact at T=0' if exact else 'LOSSY'})"
 
 
 def markdown(results: dict) -> str:
@@ -73,7 +85,7 @@ def markdown(results: dict) -> str:
             for category in categories + ["overall"]:
                 s = row.get(category)
                 cells.append("" if s is None else f"{_num(s['speedup'], '.2f', '×')} / {_num(s['tau'], '.2f')}")
-            lines.append(f"| {_row_label(method, settings)} | " + " | ".join(cells) + " |")
+            lines.append(f"| {_row_label(method, settings, temperature)} | " + " | ".join(cells) + " |")
         greedy = temperature in ("0", "0.0")
         best_hf = next((r["overall"].get("best_hf") for r in table.values() if r["overall"].get("best_hf")), None)
         lines += ["", f"Overall details at T={temperature}:", ""]
@@ -92,7 +104,7 @@ def markdown(results: dict) -> str:
             cells += [_num(s["alpha"], ".2f")] + [_num(a, ".2f") for a in depth]
             cells += [_num(s["draft_share"], ".0%"), _num(s["verify_share"], ".0%"), _num(s["peak_rss_mb"], ".0f"),
                       _num(s["repetition"], ".2f")]
-            lines.append(f"| {method} | " + " | ".join(cells) + " |")
+            lines.append(f"| {_row_label(method, settings, temperature)} | " + " | ".join(cells) + " |")
         unequal = [m for m, r in table.items() if greedy and r["overall"].get("greedy_equal") not in (None, 1.0)]
         if unequal:
             lines += ["", f"**Greedy outputs differ from vanilla for: {', '.join(unequal)}.** For our methods this "
@@ -151,30 +163,37 @@ def plot_speedup_tau(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
+DEPTH_VIEWS = (("acceptance_by_depth", "per cycle (n-α)"), ("node_acceptance_by_depth", "per tested draft token"))
+
+
 def plot_acceptance_by_depth(results: dict, path: Path) -> None:
     plt = _pyplot()
     aggregates = results.get("aggregates", {})
-    fig, axes = plt.subplots(1, max(1, len(aggregates)), figsize=(6 * max(1, len(aggregates)), 4), squeeze=False)
+    settings = results.get("settings", {})
+    columns = max(1, len(aggregates))
+    fig, axes = plt.subplots(len(DEPTH_VIEWS), columns, figsize=(6 * columns, 3.6 * len(DEPTH_VIEWS)),
+                             squeeze=False)
     for c, (temperature, table) in enumerate(aggregates.items()):
-        ax = axes[0][c]
-        missing = []
-        for method, row in table.items():
-            rates = row["overall"].get("acceptance_by_depth")
-            points = [(d + 1, a) for d, a in enumerate(rates or []) if a is not None]
-            if not points:
-                missing.append(method)
-                continue
-            ax.plot(*zip(*points, strict=True), marker="o", label=method)
-        ax.set_ylim(0, 1.05)
-        ax.xaxis.get_major_locator().set_params(integer=True)
-        ax.set_xlabel("depth in the draft (position)")
-        ax.set_ylabel("acceptance rate")
-        ax.set_title(f"acceptance by draft depth, T={temperature}", fontsize=10)
-        if ax.lines:
-            ax.legend(fontsize=7)
-        if missing:
-            ax.text(0.02, 0.02, "no per-depth data for: " + ", ".join(missing), transform=ax.transAxes,
-                    fontsize=7, color="grey")
+        for r, (key, view) in enumerate(DEPTH_VIEWS):
+            ax = axes[r][c]
+            missing = []
+            for method, row in table.items():
+                rates = row["overall"].get(key)
+                points = [(d + 1, a) for d, a in enumerate(rates or []) if a is not None]
+                if not points:
+                    missing.append(method)
+                    continue
+                ax.plot(*zip(*points, strict=True), marker="o", label=_row_label(method, settings, temperature))
+            ax.set_ylim(0, 1.05)
+            ax.xaxis.get_major_locator().set_params(integer=True)
+            ax.set_xlabel("depth in the draft (position)")
+            ax.set_ylabel("acceptance rate")
+            ax.set_title(f"acceptance by draft depth, {view}, T={temperature}", fontsize=10)
+            if ax.lines:
+                ax.legend(fontsize=7)
+            if missing:
+                ax.text(0.02, 0.02, "no per-depth data for: " + ", ".join(missing), transform=ax.transAxes,
+                        fontsize=7, color="grey")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -195,7 +214,7 @@ def plot_calibration(results: dict, path: Path) -> None:
                 missing.append(method)
                 continue
             xs, ys, _ = zip(*curve, strict=True)
-            ax.plot(xs, ys, marker="o", label=method)
+            ax.plot(xs, ys, marker="o", label=_row_label(method, results.get("settings", {}), temperature))
         ax.set_xlim(0, 1)
         ax.set_ylim(0, 1)
         ax.set_xlabel("draft confidence")

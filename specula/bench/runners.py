@@ -6,14 +6,17 @@ a drafter built by `build_drafter`; `HFRunner` runs `transformers` `generate`
 model. Both return a `TurnResult`; the wall time is taken around the whole
 generation (prefill included) and nothing else.
 
-`RecordingDrafter` wraps a drafter to keep each cycle's draft tree and the
-number of tokens the target accepted. After the generation (outside the timed
-region) it turns them into per-depth acceptance counts and, when the tree
-carries draft confidences, a confidence-vs-acceptance histogram (EAGLE-2, Fig. 6).
+Our methods decode with ``record_nodes=True``: the loop notes each tested
+draft node as (confidence, accepted, depth) (see `GenerationStats`), which
+`analyse_nodes` turns into per-depth acceptance counts (per cycle and per
+node, cf. EAGLE-2 Fig. 5) and, when the drafts carry confidences, a
+confidence-vs-acceptance histogram (EAGLE-2 Fig. 6). `RecordingDrafter` keeps
+whole trees instead, for calibration's sibling-rank statistics.
 """
 
 from __future__ import annotations
 
+import math
 import resource
 import sys
 import time
@@ -41,6 +44,8 @@ class TurnResult:
     depth_tried: list[int] | None = None
     depth_accepted: list[int] | None = None
     calibration: dict | None = None
+    node_depth_tried: list[int] | None = None
+    node_depth_accepted: list[int] | None = None
     cuda_peak_mb: float | None = None
     extra: dict = field(default_factory=dict)
 
@@ -112,21 +117,6 @@ def _cuda_peak(device: torch.device) -> float | None:
 # ---------------------------------------------------------------- our methods
 
 
-def node_confidences(tree) -> list[float] | None:
-    """Draft confidence of each node's token given its parent (index 0 unused), when the tree carries it.
-
-    Read from ``tree.confidences`` (float [n], set by drafters that know them) or,
-    for sampled drafts, from ``tree.draft_probs[i, token_i]``.
-    """
-    confidences = getattr(tree, "confidences", None)
-    if confidences is not None:
-        return [float(c) for c in (confidences.tolist() if isinstance(confidences, torch.Tensor) else confidences)]
-    if tree.draft_probs is not None:
-        rows = torch.arange(len(tree), device=tree.draft_probs.device)
-        return tree.draft_probs[rows, tree.tokens.to(tree.draft_probs.device)].float().tolist()
-    return None
-
-
 def accepted_path(tree, accepted: torch.Tensor) -> tuple[list[int], dict[int, list[int]]]:
     """Node indices of the accepted path (root first) and each node's children, in node order.
 
@@ -153,26 +143,42 @@ def accepted_path(tree, accepted: torch.Tensor) -> tuple[list[int], dict[int, li
     return best, children
 
 
-def analyse_cycles(cycles: list[tuple[object, torch.Tensor]]) -> tuple[list[int], list[int], dict | None]:
-    """Depth (tried, accepted) counts and the calibration histogram of a generation's cycles.
+@dataclass
+class NodeAnalysis:
+    """Acceptance counts of one generation's tested draft nodes. Index 0 of each list is depth 1.
 
-    Each cycle is (draft tree, accepted token ids from the root on).
+    depth_tried / depth_accepted:           per cycle (n-α): cycles that tried / accepted a token at depth d.
+    node_depth_tried / node_depth_accepted: per node: tested nodes at depth d / those on the accepted path.
+    calibration: the confidence histogram of tested nodes (`metrics.empty_calibration`), None without confidences.
     """
-    accepted_lengths, tried_next = [], []
-    calibration = None
-    for tree, accepted in cycles:
-        path, children = accepted_path(tree, accepted)
-        accepted_lengths.append(len(path) - 1)
-        tried_next.append(bool(children.get(path[-1])))
-        confidences = node_confidences(tree)
-        if confidences is not None:
-            calibration = calibration or empty_calibration()
-            on_path = set(path)
-            for parent in path:  # every child of a node on the accepted path was tried
-                for child in children.get(parent, []):
-                    add_to_calibration(calibration, confidences[child], child in on_path)
+
+    depth_tried: list[int]
+    depth_accepted: list[int]
+    node_depth_tried: list[int]
+    node_depth_accepted: list[int]
+    calibration: dict | None
+
+
+def analyse_nodes(accepted_lengths: list[int], nodes: list[list[tuple[float, bool, int]]]) -> NodeAnalysis:
+    """Acceptance by depth and calibration from `GenerationStats.nodes` (one list per cycle).
+
+    A tested node (its parent accepted) counts as accepted when it lies on the accepted path. A
+    cycle tried depth a + 1 when it tested a node one deeper than its a accepted drafts.
+    """
+    tried_next = [any(depth == a + 1 for _, _, depth in cycle) for a, cycle in zip(accepted_lengths, nodes,
+                                                                                     strict=True)]
     tried, hits = depth_counts(accepted_lengths, tried_next)
-    return tried, hits, calibration
+    node_tried, node_hits = [], []
+    calibration = None
+    for confidence, accepted, depth in (node for cycle in nodes for node in cycle):
+        grow = depth - len(node_tried)
+        node_tried, node_hits = node_tried + [0] * grow, node_hits + [0] * grow
+        node_tried[depth - 1] += 1
+        node_hits[depth - 1] += int(accepted)
+        if not math.isnan(confidence):
+            calibration = calibration or empty_calibration()
+            add_to_calibration(calibration, confidence, accepted)
+    return NodeAnalysis(tried, hits, node_tried, node_hits, calibration)
 
 
 class RecordingDrafter:
@@ -225,8 +231,8 @@ class SpeculaRunner:
         # Acceptance options choose the rule, not the drafter (typical is lossy and marked in the report).
         acceptance = {key: options.pop(key) for key in ACCEPTANCE_OPTIONS if key in options}
         self.acceptor = make_acceptor(acceptance.pop("acceptance", "lossless"), **acceptance)
-        self.drafter = RecordingDrafter(build_drafter(spec.method, target, spec.draft, dtype=dtype, **options))
-        draft = getattr(self.drafter.inner, "draft", None)
+        self.drafter = build_drafter(spec.method, target, spec.draft, dtype=dtype, **options)
+        draft = getattr(self.drafter, "draft", None)
         self.draft_model = draft if isinstance(draft, Target) else None  # a separate model with its own context
 
     def run(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams, seed: int) -> TurnResult:
@@ -238,14 +244,14 @@ class SpeculaRunner:
         _sync(device)
         start = time.perf_counter()
         tokens, stats = generate_tokens(self.target, self.drafter, ids, max_new_tokens, params, seed,
-                                        acceptor=self.acceptor)
+                                        acceptor=self.acceptor, record_nodes=True)
         _sync(device)
         wall = time.perf_counter() - start
-        tried, hits, calibration = analyse_cycles(self.drafter.cycles)
-        self.drafter.cycles = []
+        nodes = analyse_nodes(stats.accepted_lengths, stats.nodes)
         return TurnResult(tokens, wall, stats.cycles, stats.draft_time, stats.verify_time, stats.prefill_time,
-                          list(stats.accepted_lengths), stats.stop_reason, tried, hits, calibration,
-                          _cuda_peak(device))
+                          list(stats.accepted_lengths), stats.stop_reason, nodes.depth_tried, nodes.depth_accepted,
+                          nodes.calibration, nodes.node_depth_tried, nodes.node_depth_accepted,
+                          cuda_peak_mb=_cuda_peak(device))
 
 
 # ---------------------------------------------------------------- transformers baselines

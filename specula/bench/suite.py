@@ -12,8 +12,10 @@ records. Record fields: question, dataset, category, subcategory, method,
 temperature, seed, turns (per turn: prompt_tokens, cut_tokens, token_ids,
 new_tokens, wall_time, cycles, draft/verify/prefill time, accepted_lengths,
 stop_reason), and totals new_tokens, wall_time, tokens_per_s, cycles, tau,
-draft_time, verify_time, depth_tried, depth_accepted, calibration, rss_mb,
-cuda_peak_mb, repetition.
+draft_time, verify_time, depth_tried, depth_accepted (per cycle, n-α),
+node_depth_tried, node_depth_accepted (per tested draft node), calibration,
+rss_mb, cuda_peak_mb, repetition. Records written before a field existed lack
+it and count as "no data" for it, so older results.json files still resume.
 """
 
 from __future__ import annotations
@@ -170,9 +172,11 @@ def run_question(runner, spec: MethodSpec, question: Question, tokenizer, temper
     cycles = sum(r.cycles for r in results) if known_cycles else None
     timed = all(r.draft_time is not None for r in results)
     depths = [r for r in results if r.depth_tried is not None]
-    tried, hits = [], []
+    tried, hits, node_tried, node_hits = [], [], [], []
     for r in depths:
         tried, hits = add_counts(tried, r.depth_tried), add_counts(hits, r.depth_accepted)
+        node_tried = add_counts(node_tried, r.node_depth_tried or [])
+        node_hits = add_counts(node_hits, r.node_depth_accepted or [])
     peaks = [r.cuda_peak_mb for r in results if r.cuda_peak_mb is not None]
     return {
         "question": question.uid, "dataset": question.dataset, "category": question.category,
@@ -183,6 +187,7 @@ def run_question(runner, spec: MethodSpec, question: Question, tokenizer, temper
         "draft_time": sum(r.draft_time for r in results) if timed else None,
         "verify_time": sum(r.verify_time for r in results) if timed else None,
         "depth_tried": tried if depths else None, "depth_accepted": hits if depths else None,
+        "node_depth_tried": node_tried if depths else None, "node_depth_accepted": node_hits if depths else None,
         "calibration": merge_calibration(r.calibration for r in results),
         "rss_mb": rss_mb(), "cuda_peak_mb": max(peaks) if peaks else None,
         "repetition": repetition([t for turn in turns for t in turn["token_ids"]]),
