@@ -108,8 +108,11 @@ def add_generate(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--acceptance", choices=("lossless", "typical"), default="lossless",
                    help="lossless (default) keeps the target's exact output; typical is Medusa's typical "
                         "acceptance: longer accepted paths but LOSSY at T > 0")
-    p.add_argument("--typical-threshold", type=float, metavar="EPS", help="typical acceptance ε (default: 0.09)")
-    p.add_argument("--typical-alpha", type=float, metavar="DELTA", help="typical acceptance δ (default: 0.3)")
+    # Two spellings each: Medusa's code names (posterior threshold/alpha) and its paper's symbols (ε, δ).
+    p.add_argument("--typical-threshold", "--typical-epsilon", type=float, metavar="EPS",
+                   help="typical acceptance ε (default: 0.09)")
+    p.add_argument("--typical-alpha", "--typical-delta", type=float, metavar="DELTA",
+                   help="typical acceptance δ (default: 0.3)")
     p.add_argument("--json", action="store_true", help="print one JSON object with the text and statistics")
     p.set_defaults(handler=run_generate)
 
@@ -167,13 +170,14 @@ def run_generate(args: argparse.Namespace) -> int:
     options = drafter_options(args)
     if args.acceptance != "typical" and (args.typical_threshold is not None or args.typical_alpha is not None):
         raise SpeculaError("--typical-threshold and --typical-alpha apply only with --acceptance typical")
-    if args.acceptance == "typical" and args.temperature > 0:
-        print(f"{PROG}: warning: --acceptance typical is lossy: at temperature > 0 the output is not distributed "
-              "as the target's", file=sys.stderr)
     speculator = specula.load(args.target, method=args.method, draft=args.draft, dtype=args.dtype,
                               device=args.device, acceptance=args.acceptance,
                               typical_threshold=args.typical_threshold, typical_alpha=args.typical_alpha,
                               profile=not args.no_profile, **options)
+    # Warn only once loading has accepted the options, so bad input stays a single error line.
+    if args.acceptance == "typical" and args.temperature > 0:
+        print(f"{PROG}: warning: --acceptance typical is lossy: at temperature > 0 the output is not distributed "
+              "as the target's", file=sys.stderr)
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                     top_k=args.top_k, seed=args.seed)
     if args.json:

@@ -290,3 +290,25 @@ def test_typical_acceptance_is_opt_in_labelled_lossy_and_warned(capfd):
     assert code == 0 and json.loads(out)["lossless"] is True
     code, out, err = run(capfd, *common, "--typical-alpha", "0.2")
     assert code == 2 and out == "" and err.startswith("specula: error:") and "--acceptance typical" in err
+    # The paper's symbols spell the same options; a bad ε is one error line, not a traceback.
+    code, out, err = run(capfd, *common, "--temperature", "0.8", "--acceptance", "typical", "--typical-epsilon", "2")
+    assert_one_line_error(code, out, err, "threshold must be in (0, 1]")
+    code, out, _ = run(capfd, *common, "--temperature", "0.8", "--acceptance", "typical", "--typical-delta", "0.2")
+    assert code == 0 and json.loads(out)["token_ids"] == report["token_ids"]  # same seed and δ as above
+
+
+def test_generate_takes_the_hardware_profile_unless_told_not_to(capfd, tmp_path, monkeypatch):
+    from specula.bench.profile import save_profile
+
+    monkeypatch.setenv("SPECULA_CACHE_DIR", str(tmp_path))
+    save_profile({"target": "stories260k", "device": "cpu", "methods": {"pld": {"defaults": {"num_tokens": 1}}}},
+                 tmp_path / "profile-stories260k.json")
+    # A repetitive prompt: prompt lookup finds matches and drafts as many tokens as it may.
+    common = ["generate", "--target", str(STORIES), "--method", "pld", "--max-new-tokens", "24", "--json",
+              "--prompt", "Once upon a time. Once upon a time. Once upon a time. Once upon"]
+    code, out, _ = run(capfd, *common)
+    assert code == 0 and max(json.loads(out)["tree_sizes"]) == 1  # the profile's num_tokens
+    code, out, _ = run(capfd, *common, "--num-draft-tokens", "3")
+    assert code == 0 and max(json.loads(out)["tree_sizes"]) == 3  # explicit beats the profile
+    code, out, _ = run(capfd, *common, "--no-profile")
+    assert code == 0 and max(json.loads(out)["tree_sizes"]) > 3  # the method's own default
