@@ -1,18 +1,16 @@
 """Converting EAGLE-3 draft heads between checkpoint layouts, for users who serve with vLLM or SGLang.
 
-- ``eagle3``: the official EAGLE-3 layout, which is also what SGLang loads as
-  `LlamaForCausalLMEagle3` and what `Eagle3Head.save_pretrained` writes: Llama
-  config keys plus `draft_vocab_size`, tensors `fc.weight`, `midlayer.*`,
-  `norm.weight`, `lm_head.weight`, `d2t`, `t2d`; no embedding (the target's).
-- ``speculators``: the vLLM speculators layout (`speculators_model_type: "eagle3"`,
-  `architectures: ["Eagle3Speculator"]`): the decoder layer's Llama config nested
-  as `transformer_layer_config`, a `speculators_config` naming the algorithm, its
-  greedy proposal method and the verifier, and tensors named `layers.0.*` instead
-  of `midlayer.*`, `fc.bias`, and the target's `embed_tokens.weight`.
+- ``eagle3``: the official EAGLE-3 layout, which SGLang loads as `LlamaForCausalLMEagle3`
+  and vLLM as `Eagle3LlamaForCausalLM`; `Eagle3Head.save_pretrained` writes it. Llama
+  config keys plus `draft_vocab_size`, the fused layers in both servers' conventions,
+  tensors `fc.weight`, `midlayer.*`, `norm.weight`, `lm_head.weight`, `d2t`, `t2d`.
+- ``speculators``: the layout of vLLM's speculators library (`speculators_model_type:
+  "eagle3"`, `architectures: ["Eagle3Speculator"]`): the layer's Llama config nested as
+  `transformer_layer_config`, a `speculators_config` naming the algorithm, its greedy
+  proposal method and the verifier, and tensors named `layers.0.*` instead of `midlayer.*`,
+  plus the target's `embed_tokens.weight`.
 
-Field names follow vllm-project/speculators (`src/speculators/config.py`,
-`src/speculators/proposals/greedy.py`, `src/speculators/models/eagle3/config.py`
-and `eagle3.py`) as read in November 2026; docs/formats.md has the details.
+docs/formats.md lists the sources (repository, path, commit) each name was checked against.
 """
 
 from __future__ import annotations
@@ -25,73 +23,75 @@ from pathlib import Path
 import torch
 
 from specula.errors import SpeculaError
-from specula.heads.checkpoint import load_checked, load_state_dict, save_checkpoint
-from specula.heads.eagle3_head import ARCHITECTURE, Eagle3Head
+from specula.heads.checkpoint import load_checked, load_state_dict, read_config, save_checkpoint
+from specula.heads.eagle3_head import ARCHITECTURE, Eagle3Head, default_feature_layers
 from specula.heads.eagle_head import CONFIG_KEYS
 
 FORMATS = ("eagle3", "speculators")
-SPECULATORS_VERSION = "0.3.0"  # the speculators release whose config fields this writes
+SPECULATORS_VERSION = "0.8.1"  # the latest speculators release on PyPI when these field names were checked
 SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
+EMBEDDING = "embed_tokens.weight"
 
 
 def read_format(directory: Path) -> str:
-    """Which layout a checkpoint directory holds (by its config.json)."""
-    config_file = directory / "config.json"
-    if not directory.is_dir() or not config_file.is_file():
-        raise SpeculaError(f"draft head directory {directory} has no config.json")
-    try:
-        config = json.loads(config_file.read_text())
-    except json.JSONDecodeError as err:
-        raise SpeculaError(f"{config_file} is not valid JSON: {err}") from err
-    if config.get("speculators_model_type") is not None:
-        if config["speculators_model_type"] != "eagle3":
-            raise SpeculaError(f"{directory} is a speculators '{config['speculators_model_type']}' checkpoint; "
-                               "only eagle3 converts")
-        return "speculators"
-    return "eagle3"
+    """Which layout the checkpoint in ``directory`` holds, judged by its config.json."""
+    if not directory.is_dir():
+        raise SpeculaError(f"draft head directory {directory} does not exist")
+    config = read_config(directory, "draft head")
+    kind = config.get("speculators_model_type")
+    if kind is None:
+        return "eagle3"
+    if kind != "eagle3":
+        raise SpeculaError(f"{directory} is a speculators '{kind}' checkpoint; only eagle3 heads convert")
+    return "speculators"
 
 
 def load_head(directory: str | Path, num_target_layers: int | None = None) -> Eagle3Head:
-    """An EAGLE-3 head from either layout."""
+    """An EAGLE-3 head from a checkpoint in either layout (``num_target_layers`` fills in default layers)."""
     directory = Path(directory)
     if read_format(directory) == "speculators":
-        return _from_speculators(directory)
+        return load_speculators(directory, num_target_layers)
     return Eagle3Head.from_pretrained(directory, num_target_layers=num_target_layers)
 
 
-def _target_info(target_dir: Path | None) -> tuple[dict, torch.Tensor | None]:
-    """(config, input embedding [V, H]) of the target model directory, read from its files only."""
-    if target_dir is None:
-        return {}, None
-    from specula.target import check_model_dir
+def target_embedding(target_dir: Path) -> torch.Tensor:
+    """The input embedding [V, H] of a local HF model, read without loading its other tensors when possible."""
+    from safetensors import safe_open
 
-    check_model_dir(target_dir, "target")
-    config = json.loads((target_dir / "config.json").read_text())
-    state = load_state_dict(target_dir)
-    embedding = next((v for k, v in state.items() if k.endswith("embed_tokens.weight")), None)
-    if embedding is None:
-        raise SpeculaError(f"no embed_tokens.weight in the target model {target_dir}")
-    return config, embedding
+    index = target_dir / "model.safetensors.index.json"
+    files = [target_dir / "model.safetensors"]
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = [target_dir / f for name, f in weight_map.items() if name.endswith(EMBEDDING)]
+    for file in files:
+        if file.is_file():
+            with safe_open(str(file), framework="pt") as handle:
+                name = next((n for n in handle.keys() if n.endswith(EMBEDDING)), None)
+                if name is not None:
+                    return handle.get_tensor(name)
+    if (target_dir / "pytorch_model.bin").is_file():
+        state = load_state_dict(target_dir)
+        name = next((n for n in state if n.endswith(EMBEDDING)), None)
+        if name is not None:
+            return state[name]
+    raise SpeculaError(f"no {EMBEDDING} found in the target model {target_dir}")
 
 
-def save_speculators(head: Eagle3Head, out: str | Path, target_dir: str | Path,
-                     speculative_tokens: int = 3) -> None:
-    """Write ``head`` in the speculators layout; the target supplies the embedding and the verifier fields."""
-    target_dir = Path(target_dir)
-    target_config, embedding = _target_info(target_dir)
-    if embedding.shape != (head.vocab_size, head.hidden_size):
-        raise SpeculaError(f"target embedding {tuple(embedding.shape)} does not fit the head "
-                           f"({head.vocab_size} tokens, hidden {head.hidden_size})")
+def speculators_config(head: Eagle3Head, target_dir: Path, speculative_tokens: int) -> dict:
+    """config.json of ``head`` in the speculators layout, naming the target in ``target_dir`` as verifier."""
+    target_config = read_config(target_dir, "target model")
     layer = {k: head.config[k] for k in CONFIG_KEYS if k in head.config}
-    layer.update(model_type="llama", architectures=["LlamaForCausalLM"], num_hidden_layers=1)
-    config = {
+    layer.update(model_type="llama", architectures=["LlamaForCausalLM"], num_hidden_layers=1,
+                 tie_word_embeddings=False)
+    return {
         "speculators_model_type": "eagle3",
         "speculators_version": SPECULATORS_VERSION,
         "architectures": [SPECULATORS_ARCHITECTURE],
         "transformer_layer_config": layer,
         "draft_vocab_size": head.draft_vocab_size,
         "target_hidden_size": int(head.config.get("target_hidden_size") or head.hidden_size),
-        "eagle_aux_hidden_state_layer_ids": head.feature_layers,
+        "eagle_aux_hidden_state_layer_ids": list(head.feature_layers),
+        # vLLM assumes True when this is absent; our layer keeps the un-normalised hidden as residual.
         "norm_before_residual": False,
         "embed_requires_grad": False,
         "torch_dtype": str(head.fc.weight.dtype).removeprefix("torch."),
@@ -100,49 +100,78 @@ def save_speculators(head: Eagle3Head, out: str | Path, target_dir: str | Path,
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(speculative_tokens),
                                   "verifier_accept_k": 1, "accept_tolerance": 0.0}],
             "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": str(target_dir), "architectures": target_config.get("architectures", [])},
+            "verifier": {"name_or_path": str(target_dir.resolve()),
+                         "architectures": list(target_config.get("architectures") or [])},
         },
     }
-    state = {}
-    for name, tensor in head.state_dict().items():
-        if "rotary_emb" in name:
-            continue
-        state[name.replace("midlayer.", "layers.0.", 1)] = tensor.detach().contiguous().cpu()
-    state["fc.bias"] = torch.zeros(head.hidden_size, dtype=head.fc.weight.dtype)  # speculators' fc has a bias
-    state["embed_tokens.weight"] = embedding.to(head.fc.weight.dtype).contiguous()
-    if head.d2t is None:  # speculators always carries the maps; the identity for a full vocabulary
-        state["d2t"] = torch.zeros(head.vocab_size, dtype=torch.long)
-        state["t2d"] = torch.ones(head.vocab_size, dtype=torch.bool)
-    save_checkpoint(out, state, config)
 
 
-def _from_speculators(directory: Path) -> Eagle3Head:
-    config = json.loads((directory / "config.json").read_text())
-    for key in ("transformer_layer_config", "draft_vocab_size"):
-        if key not in config:
-            raise SpeculaError(f"speculators config in {directory} lacks '{key}'")
-    state = load_state_dict(directory)
-    bias = state.pop("fc.bias", None)
-    if bias is not None and bool(bias.abs().gt(0).any()):
-        raise SpeculaError(f"{directory}: its fc layer has a non-zero bias, which the EAGLE-3 layout has no place for")
-    state.pop("embed_tokens.weight", None)  # the target's own embedding is used
-    head_config = {k: v for k, v in config["transformer_layer_config"].items() if k in CONFIG_KEYS}
+def save_speculators(head: Eagle3Head, out: str | Path, target_dir: str | Path,
+                     speculative_tokens: int = 3) -> None:
+    """Write ``head`` in the speculators layout; the target supplies the embedding and the verifier fields."""
+    from specula.target import check_model_dir
+
+    target_dir = check_model_dir(Path(target_dir), "target")
+    embedding = target_embedding(target_dir)
+    if tuple(embedding.shape) != (head.vocab_size, head.hidden_size):
+        raise SpeculaError(f"the target's embedding {tuple(embedding.shape)} does not fit the head "
+                           f"({head.vocab_size} tokens, hidden size {head.hidden_size})")
+    state = {name.replace("midlayer.", "layers.0.", 1): tensor
+             for name, tensor in head.state_dict().items() if "rotary_emb" not in name}
+    state[EMBEDDING] = embedding.to(head.fc.weight.dtype)
+    save_checkpoint(out, state, speculators_config(head, target_dir, speculative_tokens))
+
+
+def load_speculators(directory: Path, num_target_layers: int | None = None) -> Eagle3Head:
+    """An EAGLE-3 head from a speculators checkpoint (its stored embedding is dropped: the target's is used)."""
+    config = read_config(directory, "speculators checkpoint")
+    layer = config.get("transformer_layer_config")
+    if not isinstance(layer, dict) or "draft_vocab_size" not in config:
+        raise SpeculaError(f"speculators config in {directory} lacks transformer_layer_config or draft_vocab_size")
+    for flag in ("norm_before_residual", "norm_before_fc"):
+        if config.get(flag):
+            raise SpeculaError(f"{directory} sets {flag}, a variant of the EAGLE-3 layer this head does not implement")
+    if not num_target_layers:  # as speculators does: the verifier it names, when that is a local directory
+        verifier = ((config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+        if verifier and (Path(verifier) / "config.json").is_file():
+            num_target_layers = target_layer_count(Path(verifier))
+    head_config = {k: v for k, v in layer.items() if k in CONFIG_KEYS}
     head_config.update(num_hidden_layers=1, draft_vocab_size=config["draft_vocab_size"],
                        architectures=[ARCHITECTURE], model_type="llama")
     if config.get("target_hidden_size") and config["target_hidden_size"] != head_config.get("hidden_size"):
         head_config["target_hidden_size"] = config["target_hidden_size"]
     layers = config.get("eagle_aux_hidden_state_layer_ids")
-    if not layers:
-        raise SpeculaError(f"speculators config in {directory} does not name its fused layers "
-                           "(eagle_aux_hidden_state_layer_ids)")
-    head_config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(layers)}
-    renamed = {name.replace("layers.0.", "midlayer.", 1): tensor for name, tensor in state.items()}
+    if not layers:  # speculators then takes 2, N//2, N-3 of the verifier, as we do
+        if not num_target_layers:
+            raise SpeculaError(f"speculators config in {directory} does not name its fused layers "
+                               "(eagle_aux_hidden_state_layer_ids); give --target so the defaults can be used")
+        layers = default_feature_layers(num_target_layers)
+    head_config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [int(i) for i in layers]}
+    if num_target_layers:
+        head_config["eagle_config"]["target_num_hidden_layers"] = num_target_layers
+
+    state = load_state_dict(directory)
+    state.pop(EMBEDDING, None)
+    bias = state.pop("fc.bias", None)  # early speculators releases gave fc a bias; harmless only if zero
+    if bias is not None and bool(bias.ne(0).any()):
+        raise SpeculaError(f"{directory}: its fc layer has a non-zero bias, which the EAGLE-3 layout has no place for")
+    state = {name.replace("layers.0.", "midlayer.", 1): tensor for name, tensor in state.items()}
     if head_config["draft_vocab_size"] == head_config.get("vocab_size"):
-        renamed.pop("d2t", None)
-        renamed.pop("t2d", None)
+        state.pop("d2t", None)  # the identity map of a full vocabulary
+        state.pop("t2d", None)
     head = Eagle3Head(head_config)
-    load_checked(head, renamed, f"speculators checkpoint {directory}")
-    return head.to(dtype=renamed["fc.weight"].dtype).eval()
+    load_checked(head, state, f"speculators checkpoint {directory}")
+    return head.to(dtype=state["fc.weight"].dtype).eval()
+
+
+def target_layer_count(target: Path | None) -> int | None:
+    """num_hidden_layers of the target model directory, if one is given."""
+    if target is None:
+        return None
+    from specula.target import check_model_dir
+
+    config = read_config(check_model_dir(target, "target"), "target model")
+    return config.get("num_hidden_layers") or (config.get("text_config") or {}).get("num_hidden_layers")
 
 
 def convert(draft: str | Path, to: str, out: str | Path, target: str | Path | None = None,
@@ -151,18 +180,15 @@ def convert(draft: str | Path, to: str, out: str | Path, target: str | Path | No
     if to not in FORMATS:
         raise SpeculaError(f"unknown format '{to}'; choose one of {', '.join(FORMATS)}")
     draft, out = Path(draft), Path(out)
+    target = Path(target) if target is not None else None
     if out.resolve() == draft.resolve():
         raise SpeculaError("--out must differ from --draft")
     source = read_format(draft)
-    target_layers = None
-    if target is not None:
-        target_layers = json.loads((Path(target) / "config.json").read_text()).get("num_hidden_layers") \
-            if (Path(target) / "config.json").is_file() else None
-    head = load_head(draft, target_layers)
+    if to == "speculators" and target is None:
+        raise SpeculaError("--to speculators needs --target DIR: the layout stores the target's embedding "
+                           "and names it as verifier")
+    head = load_head(draft, target_layer_count(target))
     if to == "speculators":
-        if target is None:
-            raise SpeculaError("--to speculators needs --target DIR: the format stores the target's embedding "
-                               "and names its verifier")
         save_speculators(head, out, target, speculative_tokens)
     else:
         head.save_pretrained(out)

@@ -19,10 +19,14 @@ Checkpoints use the official EAGLE-3 layout (which SGLang loads as
 `midlayer.self_attn.{q,k,v}_proj.weight` [., 2H], `midlayer.self_attn.o_proj.weight`,
 `midlayer.mlp.{gate,up,down}_proj.weight`, `midlayer.{hidden_norm,input_layernorm,
 post_attention_layernorm}.weight`, `norm.weight`, `lm_head.weight` [Vd, H], `d2t`, `t2d`.
-The embedding comes from the target. The fused layers are stored under
-``eagle_config.eagle_aux_hidden_state_layer_ids``; a layer id equal to the
-target's layer count means its final post-norm hidden state (the top-layer
-feature EAGLE uses; only for the ablation of the paper's Table 2).
+The embedding comes from the target. ``feature_layers`` i means the input of
+decoder layer i (HF ``hidden_states[i]``); i equal to the target's layer count
+means its final post-norm hidden state (only for the ablation of the paper's
+Table 2). On disk they are stored twice, once per server's convention: top-level
+``eagle_aux_hidden_state_layer_ids`` as is (vLLM reads it so), and
+``eagle_config.eagle_aux_hidden_state_layer_ids`` as i - 1 (SGLang reads it as
+the output of layer i - 1). Checkpoints written before this (``eagle_config``
+with ``target_num_hidden_layers`` and no top-level ids) stored i itself there.
 """
 
 from __future__ import annotations
@@ -240,7 +244,10 @@ class Eagle3Head(nn.Module):
 
     def save_pretrained(self, directory: str | Path) -> None:
         """Write config.json and model.safetensors atomically."""
-        save_module(self, directory, self.config, self.fc.weight.dtype)
+        eagle_config = dict(self.config["eagle_config"],
+                            eagle_aux_hidden_state_layer_ids=[i - 1 for i in self.feature_layers])
+        config = dict(self.config, eagle_aux_hidden_state_layer_ids=self.feature_layers, eagle_config=eagle_config)
+        save_module(self, directory, config, self.fc.weight.dtype)
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, dtype: torch.dtype | None = None,
@@ -253,7 +260,14 @@ class Eagle3Head(nn.Module):
         if "fc.weight" not in state or "midlayer.self_attn.q_proj.weight" not in state:
             raise SpeculaError(f"{directory} is not an EAGLE-3 head (no fc.weight / midlayer.* tensors)")
         eagle_config = dict(config.get("eagle_config") or {})
-        if "eagle_aux_hidden_state_layer_ids" not in eagle_config:
+        top_level = config.pop("eagle_aux_hidden_state_layer_ids", None)
+        if top_level:  # vLLM's convention, ours
+            eagle_config["eagle_aux_hidden_state_layer_ids"] = list(top_level)
+        elif eagle_config.get("eagle_aux_hidden_state_layer_ids") and "target_num_hidden_layers" not in eagle_config:
+            # SGLang's convention (output of layer i); older Specula checkpoints name target_num_hidden_layers
+            eagle_config["eagle_aux_hidden_state_layer_ids"] = [
+                int(i) + 1 for i in eagle_config["eagle_aux_hidden_state_layer_ids"]]
+        if not eagle_config.get("eagle_aux_hidden_state_layer_ids"):
             layers = num_target_layers or eagle_config.get("target_num_hidden_layers")
             if not layers:
                 raise SpeculaError(f"EAGLE-3 head in {directory} does not name its fused target layers; "
