@@ -1,26 +1,21 @@
-"""The Python API: `specula.load(...)` returns a `Speculator` with `generate` and `stream`."""
+"""What users hold: a `Speculator` (a target paired with a drafting method) with `generate` and `stream`.
+
+`specula.load(...)` (`specula.methods.build_speculator`) checks the options and builds one.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import torch
 
+from specula.acceptance import Acceptor
 from specula.decoding import GenerationStats, stream_tokens
-from specula.drafters import build_drafter
+from specula.drafters.base import Drafter
 from specula.errors import SpeculaError
 from specula.sampling import SamplingParams
 from specula.target import Target
-
-MODELS = Path(__file__).resolve().parent.parent / "models"
-DEFAULT_TARGET = MODELS / "pycoder-25m"
-# Heads trained for the bundled target, used when no --draft is given for it.
-DEFAULT_HEADS = {"eagle": MODELS / "eagle-pycoder-25m", "eagle2": MODELS / "eagle-pycoder-25m",
-                 "eagle3": MODELS / "eagle3-pycoder-25m", "medusa": MODELS / "medusa-pycoder-25m",
-                 "ada": MODELS / "eagle-pycoder-25m"}  # its LDLP lives in ldlp/
 
 
 @dataclass
@@ -43,9 +38,7 @@ class StreamChunk:
 class Speculator:
     """A target model paired with one drafting method and an acceptance rule (lossless unless asked)."""
 
-    def __init__(self, target: Target, method: str, drafter, acceptor=None):
-        from specula.acceptance import Acceptor
-
+    def __init__(self, target: Target, method: str, drafter: Drafter, acceptor: Acceptor | None = None):
         self.target = target
         self.method = method
         self.drafter = drafter
@@ -99,34 +92,3 @@ class Speculator:
         for chunk in self.stream(prompt, max_new_tokens, temperature, top_p, top_k, seed, stop_on_eos, stats):
             ids.extend(chunk.token_ids)
         return Generation(self.tokenizer.decode(ids, skip_special_tokens=True), ids, stats)
-
-
-def load(target: str | Path = DEFAULT_TARGET, method: str = "vanilla", draft: str | Path | None = None,
-         dtype: str = "auto", device: str = "cpu", max_length: int | None = None, acceptance: str = "lossless",
-         typical_threshold: float | None = None, typical_alpha: float | None = None, profile: bool | str | Path = True,
-         **options: Any) -> Speculator:
-    """Load a local Hugging Face causal LM and a drafting method.
-
-    method: one of specula.drafters.METHODS; ``draft`` is the draft model directory for sps or the
-    head directory for eagle/eagle2/eagle3/medusa/ada (the bundled target's own when omitted for it).
-    ``options`` go to the drafter (e.g. ``num_tokens=5`` for sps and pld, ``total_tokens=10`` for eagle2).
-    ada: ``draft`` is an EAGLE head, ``ldlp=DIR`` its length predictor (default ``draft/ldlp``),
-    ``tree=True`` drafts a dynamic tree of the predicted depth instead of a chain.
-    ``acceptance="typical"`` swaps the lossless rule for Medusa's typical acceptance (ε, δ from
-    ``typical_threshold``, ``typical_alpha``): longer accepted paths, but LOSSY at temperature > 0.
-    ``profile``: a hardware profile written by `specula calibrate` for this target (True: the default
-    location, a path: that file, False: none) supplies drafter options not given in ``options``.
-    """
-    from specula.acceptance_typical import make_acceptor
-    from specula.bench.profile import load_profile, profile_defaults
-
-    thresholds = {"posterior_threshold": typical_threshold, "posterior_alpha": typical_alpha}
-    acceptor = make_acceptor(acceptance, **{k: v for k, v in thresholds.items() if v is not None})
-    target_model = Target.load(target, dtype=dtype, device=device, max_length=max_length)
-    if draft is None and method in DEFAULT_HEADS and Path(target).resolve() == DEFAULT_TARGET:
-        draft = DEFAULT_HEADS[method]
-    if profile is not False:
-        measured = load_profile(Path(target).resolve().name, None if profile is True else profile)
-        options = {**profile_defaults(measured, method, device), **options}
-    drafter = build_drafter(method, target_model, None if draft is None else str(draft), dtype=dtype, **options)
-    return Speculator(target_model, method, drafter, acceptor)

@@ -9,11 +9,15 @@ step see identically processed distributions. Temperature 0 means greedy.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from specula.errors import SpeculaError
+
+MIN_TEMPERATURE = 1e-6  # logits up to ~1e4 stay finite in float32 when divided by it
+MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 64-bit seeds
 
 
 @dataclass(frozen=True)
@@ -30,8 +34,18 @@ class SamplingParams:
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
-        if not (self.temperature >= 0.0):  # also rejects NaN
-            raise SpeculaError(f"temperature must be >= 0, got {self.temperature}")
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise SpeculaError(f"{name} must be a number, got {value!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
+            raise SpeculaError(f"top_k must be a whole number, got {self.top_k!r}")
+        if not (0.0 <= self.temperature < math.inf):  # also rejects NaN
+            raise SpeculaError(f"temperature must be >= 0 and finite, got {self.temperature}")
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            # Dividing logits by it overflows float32 to inf and the softmax to NaN.
+            raise SpeculaError(f"temperature {self.temperature} is too small to sample with (below "
+                               f"{MIN_TEMPERATURE:g}); use 0 for greedy decoding")
         if not (0.0 < self.top_p <= 1.0):
             raise SpeculaError(f"top-p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
@@ -84,9 +98,18 @@ def pick_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
     """A generator on ``device``, seeded when ``seed`` is given (else from fresh entropy)."""
+    check_seed(seed)
     generator = torch.Generator(device=device)
     if seed is None:
         generator.seed()
     else:
         generator.manual_seed(seed)
     return generator
+
+
+def check_seed(seed: int | None) -> None:
+    """A seed must be a whole number in [0, 2**64 - 1] (or None for fresh entropy)."""
+    if seed is None:
+        return
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise SpeculaError(f"seed must be a whole number in [0, 2**64 - 1], got {seed!r}")

@@ -168,7 +168,9 @@ class Target:
     def load(cls, path: str | Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
              max_length: int | None = None, role: str = "target") -> Target:
         model, tokenizer = load_causal_lm(path, dtype, device, role)
-        return cls(model, tokenizer, max_length, name=Path(path).name)
+        loaded = cls(model, tokenizer, max_length, name=Path(path).name)
+        loaded.path = Path(path)  # where it came from: bundled heads are found by it
+        return loaded
 
     @property
     def length(self) -> int:

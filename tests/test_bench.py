@@ -14,12 +14,13 @@ from conftest import LLAMA2XS, STORIES
 
 from specula.bench import metrics, theory
 from specula.bench.config import method_specs, parse_option, read_config
-from specula.bench.profile import load_profile, profile_defaults, save_profile
 from specula.bench.questions import load_questions, read_questions, select
 from specula.bench.runners import analyse_nodes
 from specula.bench.suite import run_question as _original_run_question
+from specula.cli import build_parser
 from specula.decoding import node_records
 from specula.errors import SpeculaError
+from specula.profile import load_profile, profile_defaults, save_profile
 from specula.tree import DraftTree
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
@@ -375,19 +376,8 @@ def test_default_profile_location(tmp_path, monkeypatch):
 # ---------------------------------------------------------------- the commands, end to end on stories260k
 
 
-def parser():
-    from specula.bench.cli import add_bench_parser, add_calibrate_parser
-    from specula.cli import ArgumentParser
-
-    p = ArgumentParser(prog="specula")
-    sub = p.add_subparsers(dest="command", required=True)
-    add_bench_parser(sub)
-    add_calibrate_parser(sub)
-    return p
-
-
 def run_command(*argv) -> int:
-    args = parser().parse_args([str(a) for a in argv])
+    args = build_parser().parse_args([str(a) for a in argv])
     return args.handler(args)
 
 
@@ -484,7 +474,7 @@ def test_calibrate_on_stories260k(tmp_path, story_questions, capsys):
 
 
 def test_namespace_handlers_are_set():
-    p = parser()
+    p = build_parser()
     for command in (["bench", "--out", "x"], ["calibrate", "--method", "pld"]):
         assert callable(p.parse_args(command).handler)
     assert isinstance(p.parse_args(["bench"]), argparse.Namespace)

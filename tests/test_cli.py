@@ -15,8 +15,9 @@ import torch
 from conftest import LLAMA2XS, PYCODER, STORIES
 
 import specula
-from specula.api import DEFAULT_TARGET
+import specula.cli.generate
 from specula.cli import build_parser, main
+from specula.methods import DEFAULT_TARGET
 
 PROMPT = "Once upon a time"
 NEW_TOKENS = 16
@@ -196,7 +197,7 @@ def test_ctrl_c_exits_130_quietly(capfd, monkeypatch):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(specula, "load", interrupted)
+    monkeypatch.setattr(specula.cli.generate, "build_speculator", interrupted)
     assert run(capfd, "generate", "--target", STORIES, "--prompt", PROMPT) == (130, "", "")
 
 
@@ -298,7 +299,7 @@ def test_typical_acceptance_is_opt_in_labelled_lossy_and_warned(capfd):
 
 
 def test_generate_takes_the_hardware_profile_unless_told_not_to(capfd, tmp_path, monkeypatch):
-    from specula.bench.profile import save_profile
+    from specula.profile import save_profile
 
     monkeypatch.setenv("SPECULA_CACHE_DIR", str(tmp_path))
     save_profile({"target": "stories260k", "device": "cpu", "methods": {"pld": {"defaults": {"num_tokens": 1}}}},

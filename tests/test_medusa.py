@@ -17,6 +17,7 @@ import specula
 from specula.acceptance import Acceptor
 from specula.acceptance_typical import TypicalAcceptor, make_acceptor
 from specula.api import Speculator
+from specula.cli import build_parser
 from specula.decoding import generate_tokens
 from specula.drafters.medusa import (
     CHOICES_FILE,
@@ -31,7 +32,7 @@ from specula.heads.medusa_head import MedusaHeads
 from specula.sampling import SamplingParams
 from specula.target import Target
 from specula.training.loop import TrainConfig
-from specula.training.medusa_trainer import MedusaTrainOptions, add_train_medusa_parser, train_medusa
+from specula.training.medusa_trainer import MedusaTrainOptions, train_medusa
 from specula.tree import DraftTree
 
 # Tiny tensors: intra-op threads only add overhead and contention on a shared machine.
@@ -328,11 +329,7 @@ def test_typical_acceptance_keeps_the_deepest_typical_path():
 
 
 def cli(*args: str) -> int:
-    from specula.cli import ArgumentParser
-
-    parser = ArgumentParser(prog="specula train")
-    add_train_medusa_parser(parser.add_subparsers(dest="trainer", required=True))
-    parsed = parser.parse_args([str(a) for a in args])
+    parsed = build_parser().parse_args(["train", *map(str, args)])
     return parsed.handler(parsed)
 
 

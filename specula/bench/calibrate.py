@@ -11,24 +11,25 @@
    factor that uses the measured verification cost; for trees the node budget
    and depth that maximise predicted tokens/s. Predicted and measured speedups
    are printed side by side like the lecture's Table 4.
-4. The profile (`specula.bench.profile`) gets the measurements and the
+4. The profile (`specula.profile`) gets the measurements and the
    recommended drafter options of this method.
 """
 
 from __future__ import annotations
 
-import inspect
 import statistics
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from specula.bench import theory
 from specula.bench.metrics import depth_counts, pooled_alpha
 from specula.bench.runners import RecordingDrafter, accepted_path
+from specula.decoding import generate_tokens
+from specula.drafters.vanilla import VanillaDrafter
 from specula.errors import SpeculaError
+from specula.methods import build_speculator, get_method, resolve_draft
 from specula.sampling import SamplingParams
 
 VERIFY_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -111,45 +112,29 @@ def tree_statistics(cycles) -> dict:
     }
 
 
-def _drafter_takes(drafter, *names: str) -> bool:
-    try:
-        parameters = inspect.signature(type(drafter).__init__).parameters
-    except (TypeError, ValueError):
-        return False
-    return all(name in parameters for name in names)
-
-
-def recommended_options(drafter, best_gamma: int | None, best_tree: dict | None, chains_only: bool) -> dict:
-    """The drafter options the profile should carry for this method (only those its drafter accepts)."""
-    if chains_only and best_gamma and _drafter_takes(drafter, "num_tokens"):
+def recommended_options(method: str, dynamic: bool, best_gamma: int | None, best_tree: dict | None,
+                        chains_only: bool) -> dict:
+    """The drafter options the profile should carry for this method (only those the registry says it takes)."""
+    spec = get_method(method)
+    if chains_only and best_gamma and spec.takes("num_tokens"):
         return {"num_tokens": best_gamma}
-    if (best_tree and best_tree.get("nodes") and getattr(drafter, "dynamic", True)
-            and _drafter_takes(drafter, "total_tokens", "depth", "top_k")):
+    if best_tree and best_tree.get("nodes") and dynamic and spec.takes("total_tokens", "depth", "top_k"):
         return {"total_tokens": best_tree["nodes"], "depth": best_tree["depth"], "top_k": best_tree["top_k"]}
     return {}
 
 
 def calibrate(opts: CalibrationOptions, log=lambda message: None) -> dict:
     """Measure and predict; returns the profile (without writing it)."""
-    from specula.api import DEFAULT_HEADS, DEFAULT_TARGET
-    from specula.decoding import generate_tokens
-    from specula.drafters import build_drafter
-    from specula.drafters.vanilla import VanillaDrafter
-    from specula.target import Target
-
     if not opts.prompts:
         raise SpeculaError("calibration needs at least one prompt")
     params = SamplingParams(opts.temperature)
     if opts.threads:
         torch.set_num_threads(opts.threads)
-    target = Target.load(opts.target, dtype=opts.dtype, device=opts.device)
-    draft = opts.draft
-    if draft is None and opts.method in DEFAULT_HEADS and Path(opts.target).resolve() == DEFAULT_TARGET:
-        draft = str(DEFAULT_HEADS[opts.method])
-    try:
-        inner = build_drafter(opts.method, target, draft, dtype=opts.dtype, **(opts.options or {}))
-    except TypeError as err:
-        raise SpeculaError(f"method {opts.method}: {err}") from err
+    # The options are measured as given: an existing profile must not change what is being calibrated.
+    speculator = build_speculator(opts.target, opts.method, opts.draft, dtype=opts.dtype, device=opts.device,
+                                  profile=False, **(opts.options or {}))
+    target, inner = speculator.target, speculator.drafter
+    draft = resolve_draft(opts.method, opts.target, opts.draft)
     drafter = RecordingDrafter(inner)
     vanilla = VanillaDrafter()
     budget = max(1, min(opts.max_prompt_tokens, target.max_length - opts.max_new_tokens - max(VERIFY_SIZES) - 1))
@@ -209,7 +194,8 @@ def calibrate(opts: CalibrationOptions, log=lambda message: None) -> dict:
         for g in range(1, 13)
     ] if chains else []
     entry = {
-        "draft": draft, "options": opts.options or {}, "temperature": opts.temperature, "prompts": len(prompts),
+        "draft": None if draft is None else str(draft), "options": opts.options or {}, "temperature": opts.temperature,
+        "prompts": len(prompts),
         "max_new_tokens": opts.max_new_tokens, "alpha": alpha, "acceptance_by_depth": trees["acceptance_by_depth"],
         "rank_acceptance": trees["rank_acceptance"], "gamma": gamma, "mean_nodes": trees["mean_nodes"],
         "draft_step_s": draft_step, "c": c, "tau": new_tokens / target_cycles if target_cycles else None,
@@ -218,7 +204,7 @@ def calibrate(opts: CalibrationOptions, log=lambda message: None) -> dict:
         "vanilla_tokens_per_s": statistics.fmean(rates["vanilla"]),
         "method_tokens_per_s": statistics.fmean(rates["method"]),
         "chain": chains, "gamma_table": gamma_table, "best_gamma": best_gamma, "best_tree": best_tree,
-        "defaults": recommended_options(inner, best_gamma, best_tree, chains),
+        "defaults": recommended_options(opts.method, getattr(inner, "dynamic", True), best_gamma, best_tree, chains),
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     return {

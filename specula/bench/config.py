@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from specula.errors import SpeculaError
+from specula.methods import METHODS, AcceptanceOptions, check_options
 
 # Outside baselines run through `transformers` generate, each with the options it understands.
 HF_METHODS = {
@@ -118,9 +119,7 @@ def parse_option(text: str) -> tuple[str, str, Any]:
 
 
 def known_methods() -> tuple[str, ...]:
-    """Our methods (whatever `specula.drafters` registers) followed by the `transformers` baselines."""
-    from specula.drafters import METHODS
-
+    """Our methods (the registry's) followed by the `transformers` baselines."""
     return tuple(METHODS) + tuple(HF_METHODS)
 
 
@@ -157,6 +156,19 @@ def method_specs(labels: list[str], tables: dict[str, dict], overrides: list[str
             if method == "hf_assisted" and not draft:
                 raise SpeculaError(f"method {label} (hf_assisted) needs a draft model: set draft in "
                                    f"[methods.{label}] or --option {label}.draft=DIR")
-        options = {**(defaults or {}).get(method, {}), **table} if method not in HF_METHODS else table
-        specs.append(MethodSpec(label, method, draft, options))
+        if method not in HF_METHODS:
+            table = checked_options(label, method, table, (defaults or {}).get(method, {}))
+        specs.append(MethodSpec(label, method, draft, table))
     return specs
+
+
+def checked_options(label: str, method: str, table: dict, defaults: dict) -> dict:
+    """A method's options checked by the registry (the profile's ``defaults`` under them), as recorded."""
+    acceptance, drafter_options = AcceptanceOptions.split(table)
+    where = f"method {label}: " if label != method else ""
+    usable = {k: v for k, v in defaults.items() if METHODS[method].takes(k)}
+    options = {**check_options(method, usable, "hardware profile: "), **check_options(method, drafter_options, where)}
+    METHODS[method].check(options)
+    if acceptance.acceptance != "lossless":
+        options.update({k: v for k, v in vars(acceptance).items() if v is not None})
+    return {k: str(v) if isinstance(v, Path) else v for k, v in options.items()}

@@ -1,7 +1,7 @@
 """Running one turn of one question with one method, timed the same way for every method.
 
 `SpeculaRunner` runs our decode loop (`specula.decoding.generate_tokens`) with
-a drafter built by `build_drafter`; `HFRunner` runs `transformers` `generate`
+a method assembled by `specula.methods.build_speculator`; `HFRunner` runs `transformers` `generate`
 (plain, assisted with a draft model, or prompt lookup) on the same loaded
 model. Both return a `TurnResult`; the wall time is taken around the whole
 generation (prefill included) and nothing else.
@@ -26,7 +26,7 @@ import torch
 
 from specula.bench.config import MethodSpec
 from specula.bench.metrics import add_to_calibration, depth_counts, empty_calibration
-from specula.errors import SpeculaError
+from specula.methods import build_speculator
 from specula.sampling import SamplingParams
 from specula.target import Target
 
@@ -210,28 +210,20 @@ class RecordingDrafter:
         self.inner.observe(accepted, target_out)
 
 
-ACCEPTANCE_OPTIONS = ("acceptance", "posterior_threshold", "posterior_alpha")
-
-
 def is_lossy(options: dict) -> bool:
     """Whether a method's options select the lossy typical acceptance."""
     return options.get("acceptance", "lossless") == "typical"
 
 
 class SpeculaRunner:
-    """One of our methods on the shared target."""
+    """One of our methods on the shared target, assembled by the registry like `specula.load` does."""
 
     def __init__(self, spec: MethodSpec, target: Target, dtype: str):
-        from specula.acceptance_typical import make_acceptor
-        from specula.drafters import build_drafter
-
         self.spec = spec
         self.target = target
-        options = dict(spec.options)
-        # Acceptance options choose the rule, not the drafter (typical is lossy and marked in the report).
-        acceptance = {key: options.pop(key) for key in ACCEPTANCE_OPTIONS if key in options}
-        self.acceptor = make_acceptor(acceptance.pop("acceptance", "lossless"), **acceptance)
-        self.drafter = build_drafter(spec.method, target, spec.draft, dtype=dtype, **options)
+        # Profile defaults were merged (and recorded) when the spec was made, so none are applied here.
+        speculator = build_speculator(target, spec.method, spec.draft, dtype=dtype, profile=False, **spec.options)
+        self.drafter, self.acceptor = speculator.drafter, speculator.acceptor
         draft = getattr(self.drafter, "draft", None)
         self.draft_model = draft if isinstance(draft, Target) else None  # a separate model with its own context
 
@@ -324,7 +316,4 @@ class HFRunner:
 
 
 def make_runner(spec: MethodSpec, target: Target, dtype: str):
-    try:
-        return (HFRunner if spec.is_hf else SpeculaRunner)(spec, target, dtype)
-    except TypeError as err:  # an option the drafter does not take
-        raise SpeculaError(f"method {spec.label} ({spec.method}): {err}") from err
+    return (HFRunner if spec.is_hf else SpeculaRunner)(spec, target, dtype)

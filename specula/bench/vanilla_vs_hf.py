@@ -4,25 +4,20 @@ Both decode the same prompts greedily (stopping at the same EOS),
 interleaved run by run so machine drift hits both alike; tokens/s are printed
 side by side with their ratio and whether the outputs were identical.
 
-    python -m specula.bench.vanilla_vs_hf --dtype bfloat16 --prompts 8 --max-new-tokens 128
+    specula speedcheck --dtype float32,bfloat16 --prompts 8 --max-new-tokens 128
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-from specula.api import DEFAULT_TARGET
 from specula.bench.questions import read_questions
 from specula.decoding import generate_tokens
 from specula.drafters.vanilla import VanillaDrafter
-from specula.errors import SpeculaError
 from specula.sampling import SamplingParams
 from specula.target import Target
 
@@ -71,28 +66,3 @@ def run(target_dir: str, dtype: str, prompts: list[str], max_new_tokens: int, ma
         "ratio": round(mean["specula"] / mean["transformers"], 3),
         "identical_outputs": f"{identical}/{len(rates['specula'])}",
     }
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default=str(DEFAULT_TARGET))
-    parser.add_argument("--dtype", default="bfloat16", help="one or more of float32,bfloat16,float16 (comma separated)")
-    parser.add_argument("--prompts-file", default=str(DEFAULT_PROMPTS))
-    parser.add_argument("--prompts", type=int, default=6)
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--max-prompt-tokens", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=1)
-    args = parser.parse_args(argv)
-    try:
-        prompts = read_prompts(Path(args.prompts_file), args.prompts)
-        for dtype in args.dtype.split(","):
-            result = run(args.target, dtype, prompts, args.max_new_tokens, args.max_prompt_tokens, args.repeats)
-            print(json.dumps(result))
-    except (SpeculaError, OSError) as err:
-        print(f"vanilla_vs_hf: error: {err}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -16,8 +16,6 @@ training responses (ties by lower id).
 
 from __future__ import annotations
 
-import argparse
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -136,44 +134,3 @@ def train_eagle3(target: Target, train_set, eval_set, out: Path, config: TrainCo
     return run_training(head, train_set, eagle3_loss(target, options.steps), config, out,
                         save_head=lambda model, directory: model.save_pretrained(directory), keys=keys,
                         resume=resume, evaluate=evaluate if len(eval_set) else None, log=log)
-
-
-def add_train_eagle3_parser(trainers: argparse._SubParsersAction) -> None:
-    from specula.cli import add_data_arguments, positive_int
-
-    p = trainers.add_parser("eagle3", help="train an EAGLE-3 head (training-time test) by self-distillation",
-                            description="Train an EAGLE-3 draft head for a target; it serves --method eagle3.")
-    add_data_arguments(p)
-    p.add_argument("--draft-vocab-size", type=positive_int, default=Eagle3TrainOptions.draft_vocab_size,
-                   metavar="N", help="most frequent response tokens the head predicts (default: %(default)s)")
-    p.add_argument("--feature-layers", type=_layer_list, metavar="I,J,K",
-                   help="target layers whose inputs are fused (default: 2,N//2,N-3; N means the final hidden)")
-    p.add_argument("--ttt-steps", type=positive_int, default=DEFAULT_STEPS, metavar="K",
-                   help="simulated draft steps per sample (default: %(default)s)")
-    p.set_defaults(handler=run_train_eagle3)
-
-
-def _layer_list(text: str) -> tuple[int, ...]:
-    try:
-        layers = tuple(int(part) for part in text.split(","))
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(f"expected comma-separated layer indices, got '{text}'") from err
-    if not layers:
-        raise argparse.ArgumentTypeError("give at least one layer")
-    return layers
-
-
-def run_train_eagle3(args: argparse.Namespace) -> int:
-    from transformers import AutoConfig
-
-    from specula.cli import training_inputs
-    from specula.target import check_model_dir
-
-    config = AutoConfig.from_pretrained(check_model_dir(args.target, "target"), local_files_only=True)
-    request = feature_request(config, args.feature_layers)
-    target, train_set, eval_set, train_config = training_inputs(args, request)
-    options = Eagle3TrainOptions(args.draft_vocab_size, args.feature_layers, args.ttt_steps)
-    train_eagle3(target, train_set, eval_set, args.out, train_config, options, resume=args.resume,
-                 log=lambda message: print(message, file=sys.stderr))
-    print(f"EAGLE-3 head written to {args.out}", file=sys.stderr)
-    return 0

@@ -26,9 +26,7 @@ weights; everything else (batching, Accelerate, checkpoints, exact resume) is
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,8 +35,8 @@ import torch
 from specula.errors import SpeculaError
 from specula.heads.checkpoint import atomic_write
 from specula.heads.eagle_head import EagleHead
-from specula.heads.ldlp import LengthPredictor, head_fingerprint
-from specula.target import FeatureRequest, Target
+from specula.heads.ldlp import LengthPredictor
+from specula.target import Target
 from specula.training.ldlp_data import LabelledFeatures, label_features
 from specula.training.loop import TrainConfig, run_training
 
@@ -189,50 +187,3 @@ def train_ldlp(target: Target, head: EagleHead, head_key: str, train_set, eval_s
     report = compare_lengths(trained, target, held_out)
     atomic_write(out / "evaluation.json", lambda tmp: Path(tmp).write_text(json.dumps(report, indent=1)))
     return report
-
-
-# ---------------------------------------------------------------- command line (wired in by specula.cli)
-
-
-def add_train_ldlp_parser(trainers: argparse._SubParsersAction) -> None:
-    """Register `specula train ldlp` on the `train` subcommand's subparsers."""
-    from specula.cli import add_data_arguments, positive_int
-
-    p = trainers.add_parser("ldlp", help="train AdaEAGLE's draft length predictor for an EAGLE head",
-                            description="Train an LDLP that predicts, from the last accepted token, how many "
-                                        "drafts an EAGLE head will get accepted; it serves --method ada.")
-    add_data_arguments(p)
-    p.add_argument("--draft", type=Path, required=True, metavar="HEAD_DIR",
-                   help="the trained EAGLE head whose acceptance lengths the LDLP learns")
-    p.add_argument("--max-draft-length", type=positive_int, default=MAX_DRAFT_LENGTH, metavar="N",
-                   help="longest chain labelled and drafted (default: %(default)s)")
-    p.add_argument("--intermediate-size", type=positive_int, default=256, metavar="N",
-                   help="width of the MLP's hidden layers (default: %(default)s)")
-    p.add_argument("--penalty", type=float, default=PENALTY, metavar="LAMBDA",
-                   help="L1 loss factor when the prediction is too short, >= 1 (default: %(default)s)")
-    p.set_defaults(handler=run_train_ldlp, epochs=8)
-
-
-def run_train_ldlp(args: argparse.Namespace) -> int:
-    from specula.cli import training_inputs
-    from specula.target import check_model_dir
-
-    if args.penalty < 1.0:
-        raise SpeculaError(f"--penalty must be >= 1, got {args.penalty}")
-    # Check the head before regenerating data, which can take far longer than a wrong path deserves.
-    if not args.draft.is_dir():
-        raise SpeculaError(f"EAGLE head directory not found: {args.draft}")
-    head = EagleHead.from_pretrained(args.draft)
-    target_config = json.loads((check_model_dir(args.target, "target") / "config.json").read_text())
-    if target_config.get("hidden_size") not in (None, head.hidden_size):
-        raise SpeculaError(f"EAGLE head hidden size {head.hidden_size} does not fit the target's "
-                           f"{target_config['hidden_size']}")
-    log = lambda message: print(message, file=sys.stderr)  # noqa: E731
-    target, train_set, eval_set, config = training_inputs(args, FeatureRequest(final_hidden=True))
-    options = LdlpTrainOptions(args.max_draft_length, args.intermediate_size, args.penalty)
-    report = train_ldlp(target, head, head_fingerprint(args.draft), train_set, eval_set, args.out, config, options,
-                        labels_dir=args.cache_dir or args.out, resume=args.resume, log=log)
-    if report:
-        print(format_report(report))
-    print(f"LDLP written to {args.out}", file=sys.stderr)
-    return 0

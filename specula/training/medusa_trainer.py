@@ -26,11 +26,9 @@ written beside the heads as `medusa_choices.json`, which `medusa` then uses;
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,7 +39,7 @@ from specula.drafters.medusa import CHOICES_FILE, DEFAULT_CHOICES, build_choices
 from specula.errors import SpeculaError
 from specula.heads.checkpoint import atomic_write
 from specula.heads.medusa_head import MedusaHeads
-from specula.target import FeatureRequest, Target
+from specula.target import Target
 from specula.training.evaluation import mean_tau
 from specula.training.loop import TrainConfig, run_training
 
@@ -177,90 +175,3 @@ def train_medusa(target: Target, train_set, eval_set, out: Path, config: TrainCo
         log(f"tree of {report['nodes']} candidates, {report['expected_accepted']} expected accepted drafts per "
             f"cycle, written to {out / CHOICES_FILE}")
     return history
-
-
-# ---------------------------------------------------------------- command line (wired in by specula.cli)
-
-
-def add_train_medusa_parser(trainers: argparse._SubParsersAction) -> None:
-    """Register `specula train medusa` and `specula train medusa-tree` on the `train` subcommand's subparsers."""
-    from specula.cli import add_data_arguments, positive_int
-
-    p = trainers.add_parser("medusa", help="train Medusa heads (Medusa-1, frozen target) by self-distillation",
-                            description="Train Medusa heads for a target; they serve --method medusa.")
-    add_data_arguments(p)
-    p.add_argument("--num-heads", type=positive_int, default=4, help="heads, i.e. tree depth (default: %(default)s)")
-    p.add_argument("--num-layers", type=int, default=1, help="residual blocks per head (default: %(default)s)")
-    p.add_argument("--decay", type=float, default=DECAY,
-                   help="loss weight of head k is decay^(k-1) (default: %(default)s)")
-    p.add_argument("--tree-nodes", type=positive_int, default=TREE_NODES,
-                   help="candidates of the tree built from held-out accuracies (default: %(default)s)")
-    p.set_defaults(handler=run_train_medusa)
-    add_medusa_tree_parser(trainers)
-
-
-def run_train_medusa(args: argparse.Namespace) -> int:
-    from specula.cli import training_inputs
-
-    if args.num_layers < 0:
-        raise SpeculaError(f"--num-layers must be >= 0, got {args.num_layers}")
-    if not 0.0 < args.decay <= 1.0:
-        raise SpeculaError(f"--decay must be in (0, 1], got {args.decay}")
-    target, train_set, eval_set, config = training_inputs(args, FeatureRequest(final_hidden=True))
-    options = MedusaTrainOptions(num_heads=args.num_heads, num_layers=args.num_layers, decay=args.decay,
-                                 tree_nodes=args.tree_nodes, base_model_name_or_path=str(args.target))
-    train_medusa(target, train_set, eval_set, args.out, config, options, resume=args.resume,
-                 log=lambda message: print(message, file=sys.stderr))
-    print(f"Medusa heads written to {args.out}", file=sys.stderr)
-    return 0
-
-
-def add_medusa_tree_parser(trainers: argparse._SubParsersAction) -> None:
-    from specula.api import DEFAULT_TARGET
-    from specula.cli import DTYPE_CHOICES, device_name, positive_int
-
-    p = trainers.add_parser("medusa-tree", help="build a Medusa tree for a node budget from measured head accuracies",
-                            description="Measure each Medusa head's per-rank accuracy on the target's own "
-                                        "continuations of held-out prompts and keep the most probable paths.")
-    p.add_argument("--target", type=Path, default=DEFAULT_TARGET, metavar="DIR",
-                   help="target model directory (default: the bundled %(default)s)")
-    p.add_argument("--draft", type=Path, required=True, metavar="HEAD_DIR", help="the Medusa heads")
-    p.add_argument("--data", type=Path, required=True, metavar="FILE",
-                   help="held-out JSONL records (the formats `specula train` reads)")
-    p.add_argument("--nodes", type=positive_int, default=TREE_NODES,
-                   help="candidates in the tree, root not counted (default: %(default)s)")
-    p.add_argument("--top-k", type=positive_int, default=TREE_TOP_K, help="ranks measured per head")
-    p.add_argument("--samples", type=positive_int, default=64, help="records measured (default: %(default)s)")
-    p.add_argument("--out", type=Path, metavar="FILE", help=f"where the tree goes (default: HEAD_DIR/{CHOICES_FILE})")
-    p.add_argument("--cache-dir", type=Path, metavar="DIR", help="keep the regenerated samples here")
-    p.add_argument("--no-regenerate", action="store_true", help="measure on the data's own responses")
-    p.add_argument("--gen-max-new-tokens", type=positive_int, default=256, metavar="N")
-    p.add_argument("--gen-batch-size", type=positive_int, default=16, metavar="N")
-    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32")
-    p.add_argument("--device", type=device_name, default="cpu")
-    p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(handler=run_medusa_tree)
-
-
-def run_medusa_tree(args: argparse.Namespace) -> int:
-    from specula.drafters.medusa import check_heads_fit
-    from specula.training.data import OnlineFeatures, prepare_samples, read_records
-
-    if not args.data.is_file():
-        raise SpeculaError(f"data file not found: {args.data}")
-    records = read_records(args.data)[: args.samples]
-    target = Target.load(args.target, dtype=args.dtype, device=args.device)
-    heads = MedusaHeads.from_pretrained(args.draft, dtype=target.dtype, device=target.device)
-    check_heads_fit(target, heads)
-    log = lambda message: print(message, file=sys.stderr)  # noqa: E731
-    samples = prepare_samples(target, records, cache_dir=args.cache_dir, regenerate=not args.no_regenerate,
-                              max_new_tokens=args.gen_max_new_tokens, batch_size=args.gen_batch_size,
-                              seed=args.seed, log=log)
-    samples = [s for s in samples if bool(s.loss_mask.any())]
-    if not samples:
-        raise SpeculaError(f"no record of {args.data} has a response to measure the heads on")
-    out = args.out or args.draft / CHOICES_FILE
-    report = write_tree(out, heads, OnlineFeatures(target, samples, FeatureRequest(final_hidden=True)),
-                        args.nodes, args.top_k)
-    print(json.dumps({**report, "out": str(out)}))
-    return 0

@@ -1,12 +1,9 @@
-"""The `bench` and `calibrate` subcommands, registered on `specula`'s subparsers by `specula.cli`.
-
-    from specula.bench.cli import add_bench_parser, add_calibrate_parser
-    SUBCOMMANDS = [add_generate, add_train, add_bench_parser, add_calibrate_parser]
+"""The `bench`, `calibrate` and `speedcheck` subcommands.
 
 Each sets ``handler`` to a function of the parsed arguments returning the exit
 status; bad input raises SpeculaError (one ``specula: error:`` line, exit 2).
-Helpers from `specula.cli` are imported when the parsers are built, so
-`specula.cli` may import this module at its top.
+The command line and a bench config file are merged here into `BenchSettings`;
+the measuring lives in `specula.bench`.
 """
 
 from __future__ import annotations
@@ -17,7 +14,18 @@ import shlex
 import sys
 from pathlib import Path
 
+from specula.bench.calibrate import CalibrationOptions, calibrate, format_report
+from specula.bench.config import method_specs, parse_option, read_config
+from specula.bench.questions import load_questions, read_questions
+from specula.bench.suite import BenchSettings, run_bench
+from specula.bench.vanilla_vs_hf import DEFAULT_PROMPTS, read_prompts
+from specula.bench.vanilla_vs_hf import run as vanilla_vs_hf
+from specula.cli.common import DTYPE_CHOICES, device_name, positive_int
 from specula.errors import SpeculaError
+from specula.methods import DEFAULT_TARGET, METHODS, resolve_draft
+from specula.profile import all_defaults, load_profile, profile_path, save_profile
+from specula.sampling import SamplingParams
+from specula.target import check_model_dir
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "pycode" / "eval.jsonl"
 
@@ -56,7 +64,6 @@ def _int(value, name: str, minimum: int | None = 1) -> int | None:
 
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
-    from specula.cli import DTYPE_CHOICES, device_name, positive_int
 
     p = subparsers.add_parser(
         "bench", help="Spec-Bench-style benchmark: methods side by side, tables and plots",
@@ -99,13 +106,6 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def bench_settings(args: argparse.Namespace):
     """Merge command line, config file and defaults into BenchSettings (loads no model)."""
-    from specula.api import DEFAULT_HEADS, DEFAULT_TARGET
-    from specula.bench.config import method_specs, read_config
-    from specula.bench.profile import all_defaults, load_profile
-    from specula.bench.questions import load_questions
-    from specula.bench.suite import BenchSettings
-    from specula.sampling import SamplingParams
-    from specula.target import check_model_dir
 
     config = read_config(args.config) if args.config else {"bench": {}, "methods": {}}
     bench = config["bench"]
@@ -137,12 +137,16 @@ def bench_settings(args: argparse.Namespace):
     device = str(pick("device", "cpu"))
     labels = _split(pick("methods"))
     specs = method_specs(labels, config["methods"], args.option, all_defaults(profile, device))
-    bundled = Path(target).resolve() == DEFAULT_TARGET
     for spec in specs:
-        if spec.draft is None and bundled and spec.method in DEFAULT_HEADS:
-            spec.draft = str(DEFAULT_HEADS[spec.method])
-        if spec.draft is not None and not Path(spec.draft).is_dir():
-            raise SpeculaError(f"draft directory of method {spec.label} not found: {spec.draft}")
+        if spec.is_hf:
+            if spec.draft is not None and not Path(spec.draft).is_dir():
+                raise SpeculaError(f"draft directory of method {spec.label} not found: {spec.draft}")
+            continue
+        try:
+            draft = resolve_draft(spec.method, target, spec.draft)
+        except SpeculaError as err:
+            raise SpeculaError(f"method {spec.label}: {err}") from None
+        spec.draft = None if draft is None else str(draft)
     settings = BenchSettings(
         target=target, methods=specs, data=data, questions=questions, out=Path(out), temperatures=temperatures,
         max_new_tokens=_int(pick("max_new_tokens", 128), "max_new_tokens"), seed=int(pick("seed", 0)),
@@ -183,7 +187,6 @@ def canonical_command(settings) -> str:
 
 
 def run_bench_command(args: argparse.Namespace) -> int:
-    from specula.bench.suite import run_bench
 
     settings = bench_settings(args)
     results = run_bench(settings)
@@ -203,8 +206,6 @@ def run_bench_command(args: argparse.Namespace) -> int:
 
 
 def add_calibrate_parser(subparsers: argparse._SubParsersAction) -> None:
-    from specula.api import DEFAULT_TARGET
-    from specula.cli import DTYPE_CHOICES, device_name, positive_int
 
     p = subparsers.add_parser(
         "calibrate", help="measure α, c and verification cost; predict the best draft budget; save a profile",
@@ -239,17 +240,10 @@ def add_calibrate_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_calibrate_command(args: argparse.Namespace) -> int:
-    from specula.bench.calibrate import CalibrationOptions, calibrate, format_report
-    from specula.bench.config import known_methods, parse_option
-    from specula.bench.profile import profile_path, save_profile
-    from specula.bench.questions import read_questions
-    from specula.sampling import SamplingParams
-    from specula.target import check_model_dir
 
-    ours = [m for m in known_methods() if not m.startswith("hf")]
-    if args.method not in ours or args.method == "vanilla":
+    if args.method not in METHODS or args.method == "vanilla":
         raise SpeculaError(f"cannot calibrate method '{args.method}'; choose one of "
-                           f"{', '.join(m for m in ours if m != 'vanilla')}")
+                           f"{', '.join(m for m in METHODS if m != 'vanilla')}")
     SamplingParams(args.temperature)
     check_model_dir(args.target, "target")
     options = {}
@@ -270,4 +264,29 @@ def run_calibrate_command(args: argparse.Namespace) -> int:
     if not args.no_save:
         path = save_profile(profile, args.out or profile_path(profile["target"]))
         print(f"profile written to {path}", file=sys.stderr)
+    return 0
+
+
+# ---------------------------------------------------------------- speed check
+
+
+def add_speedcheck_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("speedcheck", help="vanilla tokens/s of specula's runtime against transformers",
+                              description="Decode the same prompts greedily with specula's vanilla loop and "
+                                          "`transformers` generate, interleaved, and print both rates.")
+    p.add_argument("--target", default=str(DEFAULT_TARGET), metavar="DIR")
+    p.add_argument("--dtype", default="float32", help="one or more of float32,bfloat16,float16 (comma separated)")
+    p.add_argument("--prompts-file", type=Path, default=DEFAULT_PROMPTS, metavar="FILE")
+    p.add_argument("--prompts", type=positive_int, default=6, metavar="N")
+    p.add_argument("--max-new-tokens", type=positive_int, default=128, metavar="N")
+    p.add_argument("--max-prompt-tokens", type=positive_int, default=256, metavar="N")
+    p.add_argument("--repeats", type=positive_int, default=1, metavar="N")
+    p.set_defaults(handler=run_speedcheck)
+
+
+def run_speedcheck(args: argparse.Namespace) -> int:
+    prompts = read_prompts(args.prompts_file, args.prompts)
+    for dtype in args.dtype.split(","):
+        result = vanilla_vs_hf(args.target, dtype, prompts, args.max_new_tokens, args.max_prompt_tokens, args.repeats)
+        print(json.dumps(result))
     return 0

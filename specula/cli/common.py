@@ -1,0 +1,81 @@
+"""What every subcommand shares: the one-line error contract, small argument types, and the
+method options, which are generated from the method registry's schemas so help and checks cannot drift."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import NoReturn
+
+import torch
+
+from specula.errors import SpeculaError
+from specula.methods import ACCEPTANCE, TYPICAL_ALPHA, TYPICAL_THRESHOLD, all_options, methods_taking
+
+PROG = "specula"
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130  # the shell convention for a process stopped by SIGINT
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, but usage errors become the same single line as every other bad input (not usage + exit)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise SpeculaError(f"{message} (see '{self.prog} --help')")
+
+
+def report_error(message: str) -> int:
+    """Print one ``specula: error:`` line; returns the exit status for bad input."""
+    # Messages from deep inside a library can span lines; the contract is one line.
+    print(f"{PROG}: error: {' '.join(message.split())}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got '{text}'") from err
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def device_name(text: str) -> str:
+    # Allocating on it catches both a misspelt device and one this torch build or machine lacks
+    # (e.g. cuda on a CPU-only build fails with an AssertionError deep inside model.to()).
+    try:
+        torch.empty(1, device=text) + 1  # the meta device allocates nothing and computes nothing
+        if torch.device(text).type == "meta":
+            raise RuntimeError("it holds no data, so nothing can be generated on it")
+    except (RuntimeError, AssertionError) as err:
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise argparse.ArgumentTypeError(f"device '{text}' is not usable: {reason}") from err
+    return text
+
+
+def add_method_arguments(p: argparse.ArgumentParser) -> None:
+    """Every method option of the registry as a flag (value checked by the registry), plus acceptance."""
+    options = p.add_argument_group("method options (each applies only to the methods named)")
+    for spec in all_options():
+        methods = ", ".join(methods_taking(spec.name))
+        if spec.kind == "bool":
+            options.add_argument(spec.flag, dest=f"opt_{spec.name}", action="store_const", const=True,
+                                 help=f"{spec.help} [{methods}]")
+        else:
+            options.add_argument(spec.flag, dest=f"opt_{spec.name}", metavar=spec.metavar,
+                                 help=f"{spec.help} [{methods}]")
+    options.add_argument("--acceptance", choices=ACCEPTANCE, default="lossless",
+                         help="lossless (default) keeps the target's exact output; typical is Medusa's typical "
+                              "acceptance: longer accepted paths but LOSSY at T > 0 [any method]")
+    # Two spellings each: Medusa's code names (posterior threshold/alpha) and its paper's symbols (ε, δ).
+    for spec, symbol in ((TYPICAL_THRESHOLD, "--typical-epsilon"), (TYPICAL_ALPHA, "--typical-delta")):
+        options.add_argument(spec.flag, symbol, dest=f"opt_{spec.name}", metavar=spec.metavar, help=spec.help)
+
+
+def method_options(args: argparse.Namespace) -> dict:
+    """The method and acceptance options given on the command line, unchecked (the registry checks them)."""
+    names = [spec.name for spec in all_options()] + [TYPICAL_THRESHOLD.name, TYPICAL_ALPHA.name]
+    given = {name: getattr(args, f"opt_{name}") for name in names if getattr(args, f"opt_{name}", None) is not None}
+    return {**given, "acceptance": args.acceptance}

@@ -1,0 +1,275 @@
+"""`specula train KIND`: the options every head trainer shares and one parser per head kind.
+
+Each `run_*` handler turns the parsed options into the trainer's option objects and calls it;
+the training itself lives in `specula.training`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from transformers import AutoConfig
+
+from specula.cli.common import DTYPE_CHOICES, device_name, positive_int
+from specula.drafters.medusa import CHOICES_FILE, check_heads_fit
+from specula.errors import SpeculaError
+from specula.heads.eagle_head import EagleHead
+from specula.heads.ldlp import head_fingerprint
+from specula.heads.medusa_head import MedusaHeads
+from specula.methods import DEFAULT_TARGET
+from specula.target import FeatureRequest, Target, check_model_dir
+from specula.training.data import OnlineFeatures, prepare_samples, read_records
+from specula.training.eagle3_trainer import DEFAULT_STEPS, Eagle3TrainOptions, feature_request, train_eagle3
+from specula.training.eagle_trainer import EagleTrainOptions, train_eagle
+from specula.training.ldlp_trainer import MAX_DRAFT_LENGTH, PENALTY, LdlpTrainOptions, format_report, train_ldlp
+from specula.training.loop import TrainConfig
+from specula.training.medusa_trainer import DECAY, TREE_NODES, TREE_TOP_K, MedusaTrainOptions, train_medusa, write_tree
+from specula.training.recipe import DataOptions, feature_sets
+
+
+def add_data_arguments(p: argparse.ArgumentParser) -> None:
+    """Options every head trainer shares: target, data, self-distillation, caching, schedule, resume."""
+
+    p.add_argument("--target", type=Path, default=DEFAULT_TARGET, metavar="DIR",
+                   help="target model directory (default: the bundled %(default)s)")
+    p.add_argument("--data", type=Path, required=True, metavar="FILE",
+                   help="JSONL of {'conversations': [...]}, {'prompt': ...} or {'text': ...} records")
+    p.add_argument("--out", type=Path, required=True, metavar="DIR", help="where the head and checkpoints go")
+    p.add_argument("--cache-dir", type=Path, metavar="DIR",
+                   help="keep regenerated samples and target features here and reuse them (resumable)")
+    p.add_argument("--no-regenerate", action="store_true",
+                   help="train on the data's own responses instead of the target's (no self-distillation)")
+    p.add_argument("--gen-max-new-tokens", type=positive_int, default=256, metavar="N",
+                   help="length of regenerated responses (default: %(default)s)")
+    p.add_argument("--gen-temperature", type=float, default=0.0, metavar="T",
+                   help="temperature of regenerated responses (default: %(default)s, greedy)")
+    p.add_argument("--gen-batch-size", type=positive_int, default=16, metavar="N")
+    p.add_argument("--eval-samples", type=positive_int, default=32, metavar="N",
+                   help="samples held out for the per-epoch evaluation (default: %(default)s)")
+    p.add_argument("--train-samples", type=positive_int, metavar="N",
+                   help="train on only the first N non-held-out samples (data-scaling runs share one cache)")
+    p.add_argument("--max-prompt-context", type=positive_int, metavar="N",
+                   help="train on at most N prompt tokens before each response (faster on long prompts)")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32",
+                   help="target dtype for features (default: %(default)s)")
+    p.add_argument("--device", type=device_name, default="cpu")
+    p.add_argument("--epochs", type=positive_int, default=4)
+    p.add_argument("--batch-size", type=positive_int, default=8, help="sequences per step over all processes")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup-steps", type=int, default=50)
+    p.add_argument("--grad-clip", type=float, default=0.5)
+    p.add_argument("--save-every", type=positive_int, default=200, metavar="STEPS")
+    p.add_argument("--mixed-precision", choices=("auto", "no", "bf16", "fp16"), default="auto",
+                   help="autocast for training (auto: bf16 on CUDA, none on CPU)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+
+
+def training_inputs(args: argparse.Namespace, request):
+    """Load the target and build (target, train set, eval set, TrainConfig) from the shared options."""
+
+    if not args.data.is_file():
+        raise SpeculaError(f"data file not found: {args.data}")
+    target = Target.load(args.target, dtype=args.dtype, device=args.device)
+    options = DataOptions(args.data, args.cache_dir, not args.no_regenerate, args.gen_max_new_tokens,
+                          args.gen_temperature, args.gen_batch_size, args.eval_samples, args.seed,
+                          args.train_samples, args.max_prompt_context)
+    train_set, eval_set = feature_sets(target, options, request, log=lambda message: print(message,
+                                                                                           file=sys.stderr))
+    config = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
+                         grad_clip=args.grad_clip, save_every=args.save_every, seed=args.seed,
+                         mixed_precision=args.mixed_precision)
+    return target, train_set, eval_set, config
+
+
+def add_train_eagle(trainers: argparse._SubParsersAction) -> None:
+    p = trainers.add_parser("eagle", help="train an EAGLE head (EAGLE-1 paper) by self-distillation",
+                            description="Train an EAGLE draft head for a target; it serves eagle and eagle2.")
+    add_data_arguments(p)
+    p.add_argument("--num-layers", type=positive_int, default=1, help="decoder layers in the head")
+    p.set_defaults(handler=run_train_eagle)
+
+
+def run_train_eagle(args: argparse.Namespace) -> int:
+
+    target, train_set, eval_set, config = training_inputs(args, FeatureRequest(final_hidden=True))
+    train_eagle(target, train_set, eval_set, args.out, config, EagleTrainOptions(num_layers=args.num_layers),
+                resume=args.resume, log=lambda message: print(message, file=sys.stderr))
+    print(f"EAGLE head written to {args.out}", file=sys.stderr)
+    return 0
+
+
+def add_train_eagle3_parser(trainers: argparse._SubParsersAction) -> None:
+
+    p = trainers.add_parser("eagle3", help="train an EAGLE-3 head (training-time test) by self-distillation",
+                            description="Train an EAGLE-3 draft head for a target; it serves --method eagle3.")
+    add_data_arguments(p)
+    p.add_argument("--draft-vocab-size", type=positive_int, default=Eagle3TrainOptions.draft_vocab_size,
+                   metavar="N", help="most frequent response tokens the head predicts (default: %(default)s)")
+    p.add_argument("--feature-layers", type=_layer_list, metavar="I,J,K",
+                   help="target layers whose inputs are fused (default: 2,N//2,N-3; N means the final hidden)")
+    p.add_argument("--ttt-steps", type=positive_int, default=DEFAULT_STEPS, metavar="K",
+                   help="simulated draft steps per sample (default: %(default)s)")
+    p.set_defaults(handler=run_train_eagle3)
+
+
+def _layer_list(text: str) -> tuple[int, ...]:
+    try:
+        layers = tuple(int(part) for part in text.split(","))
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer indices, got '{text}'") from err
+    if not layers:
+        raise argparse.ArgumentTypeError("give at least one layer")
+    return layers
+
+
+def run_train_eagle3(args: argparse.Namespace) -> int:
+
+
+    config = AutoConfig.from_pretrained(check_model_dir(args.target, "target"), local_files_only=True)
+    request = feature_request(config, args.feature_layers)
+    target, train_set, eval_set, train_config = training_inputs(args, request)
+    options = Eagle3TrainOptions(args.draft_vocab_size, args.feature_layers, args.ttt_steps)
+    train_eagle3(target, train_set, eval_set, args.out, train_config, options, resume=args.resume,
+                 log=lambda message: print(message, file=sys.stderr))
+    print(f"EAGLE-3 head written to {args.out}", file=sys.stderr)
+    return 0
+
+
+
+
+def add_train_medusa_parser(trainers: argparse._SubParsersAction) -> None:
+    """Register `specula train medusa` and `specula train medusa-tree` on the `train` subcommand's subparsers."""
+
+    p = trainers.add_parser("medusa", help="train Medusa heads (Medusa-1, frozen target) by self-distillation",
+                            description="Train Medusa heads for a target; they serve --method medusa.")
+    add_data_arguments(p)
+    p.add_argument("--num-heads", type=positive_int, default=4, help="heads, i.e. tree depth (default: %(default)s)")
+    p.add_argument("--num-layers", type=int, default=1, help="residual blocks per head (default: %(default)s)")
+    p.add_argument("--decay", type=float, default=DECAY,
+                   help="loss weight of head k is decay^(k-1) (default: %(default)s)")
+    p.add_argument("--tree-nodes", type=positive_int, default=TREE_NODES,
+                   help="candidates of the tree built from held-out accuracies (default: %(default)s)")
+    p.set_defaults(handler=run_train_medusa)
+    add_medusa_tree_parser(trainers)
+
+
+def run_train_medusa(args: argparse.Namespace) -> int:
+
+    if args.num_layers < 0:
+        raise SpeculaError(f"--num-layers must be >= 0, got {args.num_layers}")
+    if not 0.0 < args.decay <= 1.0:
+        raise SpeculaError(f"--decay must be in (0, 1], got {args.decay}")
+    target, train_set, eval_set, config = training_inputs(args, FeatureRequest(final_hidden=True))
+    options = MedusaTrainOptions(num_heads=args.num_heads, num_layers=args.num_layers, decay=args.decay,
+                                 tree_nodes=args.tree_nodes, base_model_name_or_path=str(args.target))
+    train_medusa(target, train_set, eval_set, args.out, config, options, resume=args.resume,
+                 log=lambda message: print(message, file=sys.stderr))
+    print(f"Medusa heads written to {args.out}", file=sys.stderr)
+    return 0
+
+
+def add_medusa_tree_parser(trainers: argparse._SubParsersAction) -> None:
+
+    p = trainers.add_parser("medusa-tree", help="build a Medusa tree for a node budget from measured head accuracies",
+                            description="Measure each Medusa head's per-rank accuracy on the target's own "
+                                        "continuations of held-out prompts and keep the most probable paths.")
+    p.add_argument("--target", type=Path, default=DEFAULT_TARGET, metavar="DIR",
+                   help="target model directory (default: the bundled %(default)s)")
+    p.add_argument("--draft", type=Path, required=True, metavar="HEAD_DIR", help="the Medusa heads")
+    p.add_argument("--data", type=Path, required=True, metavar="FILE",
+                   help="held-out JSONL records (the formats `specula train` reads)")
+    p.add_argument("--nodes", type=positive_int, default=TREE_NODES,
+                   help="candidates in the tree, root not counted (default: %(default)s)")
+    p.add_argument("--top-k", type=positive_int, default=TREE_TOP_K, help="ranks measured per head")
+    p.add_argument("--samples", type=positive_int, default=64, help="records measured (default: %(default)s)")
+    p.add_argument("--out", type=Path, metavar="FILE", help=f"where the tree goes (default: HEAD_DIR/{CHOICES_FILE})")
+    p.add_argument("--cache-dir", type=Path, metavar="DIR", help="keep the regenerated samples here")
+    p.add_argument("--no-regenerate", action="store_true", help="measure on the data's own responses")
+    p.add_argument("--gen-max-new-tokens", type=positive_int, default=256, metavar="N")
+    p.add_argument("--gen-batch-size", type=positive_int, default=16, metavar="N")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32")
+    p.add_argument("--device", type=device_name, default="cpu")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(handler=run_medusa_tree)
+
+
+def run_medusa_tree(args: argparse.Namespace) -> int:
+
+    if not args.data.is_file():
+        raise SpeculaError(f"data file not found: {args.data}")
+    records = read_records(args.data)[: args.samples]
+    target = Target.load(args.target, dtype=args.dtype, device=args.device)
+    heads = MedusaHeads.from_pretrained(args.draft, dtype=target.dtype, device=target.device)
+    check_heads_fit(target, heads)
+    log = lambda message: print(message, file=sys.stderr)  # noqa: E731
+    samples = prepare_samples(target, records, cache_dir=args.cache_dir, regenerate=not args.no_regenerate,
+                              max_new_tokens=args.gen_max_new_tokens, batch_size=args.gen_batch_size,
+                              seed=args.seed, log=log)
+    samples = [s for s in samples if bool(s.loss_mask.any())]
+    if not samples:
+        raise SpeculaError(f"no record of {args.data} has a response to measure the heads on")
+    out = args.out or args.draft / CHOICES_FILE
+    report = write_tree(out, heads, OnlineFeatures(target, samples, FeatureRequest(final_hidden=True)),
+                        args.nodes, args.top_k)
+    print(json.dumps({**report, "out": str(out)}))
+    return 0
+
+
+
+
+def add_train_ldlp_parser(trainers: argparse._SubParsersAction) -> None:
+    """Register `specula train ldlp` on the `train` subcommand's subparsers."""
+
+    p = trainers.add_parser("ldlp", help="train AdaEAGLE's draft length predictor for an EAGLE head",
+                            description="Train an LDLP that predicts, from the last accepted token, how many "
+                                        "drafts an EAGLE head will get accepted; it serves --method ada.")
+    add_data_arguments(p)
+    p.add_argument("--draft", type=Path, required=True, metavar="HEAD_DIR",
+                   help="the trained EAGLE head whose acceptance lengths the LDLP learns")
+    p.add_argument("--max-draft-length", type=positive_int, default=MAX_DRAFT_LENGTH, metavar="N",
+                   help="longest chain labelled and drafted (default: %(default)s)")
+    p.add_argument("--intermediate-size", type=positive_int, default=256, metavar="N",
+                   help="width of the MLP's hidden layers (default: %(default)s)")
+    p.add_argument("--penalty", type=float, default=PENALTY, metavar="LAMBDA",
+                   help="L1 loss factor when the prediction is too short, >= 1 (default: %(default)s)")
+    p.set_defaults(handler=run_train_ldlp, epochs=8)
+
+
+def run_train_ldlp(args: argparse.Namespace) -> int:
+
+    if args.penalty < 1.0:
+        raise SpeculaError(f"--penalty must be >= 1, got {args.penalty}")
+    # Check the head before regenerating data, which can take far longer than a wrong path deserves.
+    if not args.draft.is_dir():
+        raise SpeculaError(f"EAGLE head directory not found: {args.draft}")
+    head = EagleHead.from_pretrained(args.draft)
+    target_config = json.loads((check_model_dir(args.target, "target") / "config.json").read_text())
+    if target_config.get("hidden_size") not in (None, head.hidden_size):
+        raise SpeculaError(f"EAGLE head hidden size {head.hidden_size} does not fit the target's "
+                           f"{target_config['hidden_size']}")
+    log = lambda message: print(message, file=sys.stderr)  # noqa: E731
+    target, train_set, eval_set, config = training_inputs(args, FeatureRequest(final_hidden=True))
+    options = LdlpTrainOptions(args.max_draft_length, args.intermediate_size, args.penalty)
+    report = train_ldlp(target, head, head_fingerprint(args.draft), train_set, eval_set, args.out, config, options,
+                        labels_dir=args.cache_dir or args.out, resume=args.resume, log=log)
+    if report:
+        print(format_report(report))
+    print(f"LDLP written to {args.out}", file=sys.stderr)
+    return 0
+
+
+# Each entry registers one trainer on the `train` subcommand's subparsers.
+TRAINERS: list[Callable[[argparse._SubParsersAction], None]] = [add_train_eagle, add_train_eagle3_parser,
+                                                                add_train_medusa_parser, add_train_ldlp_parser]
+
+
+def add_train(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("train", help="train a draft head on data the target generates itself")
+    trainers = p.add_subparsers(dest="trainer", required=True, metavar="KIND")
+    for add in TRAINERS:
+        add(trainers)
