@@ -195,6 +195,7 @@ def _sps(target: Target, draft: Path | None, options: dict, dtype: str) -> Draft
 def _eagle(dynamic: bool) -> Callable[[Target, Path | None, dict, str], Drafter]:
     def build(target: Target, draft: Path | None, options: dict, dtype: str) -> Drafter:
         head = EagleHead.from_pretrained(draft, dtype=target.dtype, device=target.device)
+        head.use_lm_head(target.model.get_output_embeddings())
         return EagleDrafter(target, head, dynamic=dynamic, budgets=EAGLE2_BUDGETS, **options)
     return build
 

@@ -24,10 +24,10 @@ from test_lossless_sampling import (
 import specula
 from specula.cli import main
 from specula.drafters.ada import AdaDrafter
+from specula.drafters.chain import chain_acceptance, chain_labels
 from specula.errors import SpeculaError
 from specula.heads.eagle_head import EagleHead
 from specula.heads.ldlp import LengthPredictor, head_fingerprint
-from specula.training.ldlp_data import chain_labels
 from specula.training.ldlp_trainer import LdlpTrainOptions, replay, train_ldlp
 from specula.training.loop import TrainConfig
 
@@ -35,8 +35,8 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @pytest.fixture(scope="module")
-def head() -> EagleHead:
-    return EagleHead.from_pretrained(HEAD)
+def head(stories_target) -> EagleHead:
+    return EagleHead.from_pretrained(HEAD).use_lm_head(stories_target.model.get_output_embeddings())
 
 
 @pytest.fixture(scope="module")
@@ -110,8 +110,8 @@ def test_ldlp_that_does_not_fit_the_target_or_head_is_refused(stories_target, tm
 
 
 def sequential_labels(head, target, sample, max_length: int) -> dict[int, tuple[int, bool]]:
-    """Reference: draft each position's chain on its own, as `chain_acceptance` does."""
-    embed, lm_head = target.model.get_input_embeddings(), target.model.get_output_embeddings()
+    """Reference: draft each position's chain on its own, one draft at a time."""
+    embed = target.model.get_input_embeddings()
     ids, response, features = sample["input_ids"], sample["loss_mask"], sample["hidden"]
     labels = {}
     for s in (s for s in range(len(ids) - 2) if response[s + 2]):
@@ -125,7 +125,7 @@ def sequential_labels(head, target, sample, max_length: int) -> dict[int, tuple[
             if wanted >= len(ids) or not response[wanted]:
                 censored = True
                 break
-            guess = int(head.token_log_probs(feature, lm_head).argmax(-1))
+            guess = int(head.token_log_probs(feature).argmax(-1))
             if guess != int(ids[wanted]):
                 break
             count += 1
@@ -144,6 +144,20 @@ def test_batched_labels_equal_chains_drafted_one_at_a_time(stories_target, stori
         expected = sequential_labels(head, stories_target, sample, 6)
         assert got == expected
         assert any(count >= 2 for count, _ in got.values())  # chains really continue past one draft
+
+
+@torch.no_grad()
+def test_chain_acceptance_counts_each_judged_draft_once(stories_target, stories_samples, head):
+    samples = stories_samples[:3]
+    tried, hits = [0] * 4, [0] * 4
+    for sample in samples:
+        for count, censored in sequential_labels(head, stories_target, sample, 4).values():
+            for n in range(4):
+                tried[n] += count > n or (count == n and not censored)
+                hits[n] += count > n
+    expected = [h / t if t else 0.0 for h, t in zip(hits, tried, strict=True)]
+    assert chain_acceptance(head, stories_target, samples, max_steps=4) == pytest.approx(expected)
+    assert expected[0] > 0.3
 
 
 def test_replay_moves_past_the_accepted_drafts():

@@ -240,10 +240,12 @@ class SpeculaRunner:
         _sync(device)
         wall = time.perf_counter() - start
         nodes = analyse_nodes(stats.accepted_lengths, stats.nodes)
-        return TurnResult(tokens, wall, stats.cycles, stats.draft_time, stats.verify_time, stats.prefill_time,
-                          list(stats.accepted_lengths), stats.stop_reason, nodes.depth_tried, nodes.depth_accepted,
-                          nodes.calibration, nodes.node_depth_tried, nodes.node_depth_accepted,
-                          cuda_peak_mb=_cuda_peak(device))
+        return TurnResult(tokens, wall, cycles=stats.cycles, draft_time=stats.draft_time,
+                          verify_time=stats.verify_time, prefill_time=stats.prefill_time,
+                          accepted_lengths=list(stats.accepted_lengths), stop_reason=stats.stop_reason,
+                          depth_tried=nodes.depth_tried, depth_accepted=nodes.depth_accepted,
+                          calibration=nodes.calibration, node_depth_tried=nodes.node_depth_tried,
+                          node_depth_accepted=nodes.node_depth_accepted, cuda_peak_mb=_cuda_peak(device))
 
 
 # ---------------------------------------------------------------- transformers baselines

@@ -75,9 +75,10 @@ def training_inputs(args: argparse.Namespace, request):
     if not args.data.is_file():
         raise SpeculaError(f"data file not found: {args.data}")
     target = Target.load(args.target, dtype=args.dtype, device=args.device)
-    options = DataOptions(args.data, args.cache_dir, not args.no_regenerate, args.gen_max_new_tokens,
-                          args.gen_temperature, args.gen_batch_size, args.eval_samples, args.seed,
-                          args.train_samples, args.max_prompt_context)
+    options = DataOptions(data=args.data, cache_dir=args.cache_dir, regenerate=not args.no_regenerate,
+                          max_new_tokens=args.gen_max_new_tokens, temperature=args.gen_temperature,
+                          batch_size=args.gen_batch_size, eval_samples=args.eval_samples, seed=args.seed,
+                          train_samples=args.train_samples, max_prompt_context=args.max_prompt_context)
     train_set, eval_set = feature_sets(target, options, request, log=lambda message: print(message,
                                                                                            file=sys.stderr))
     config = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from specula.errors import SpeculaError
-from specula.heads.eagle_head import EagleHead
+from specula.heads.base import DraftHead
 from specula.sampling import SamplingParams, probabilities
 from specula.target import ForwardOutput, Target
 from specula.tree import DraftTree
@@ -61,12 +61,12 @@ class _Node:
 
 
 class EagleDrafter:
-    """Drafts trees with any head implementing EagleHead's drafting protocol (EAGLE-1 or EAGLE-3).
+    """Drafts trees with any `DraftHead` (EAGLE-1 or EAGLE-3).
 
     ``budgets`` gives the dynamic tree's default total_tokens/depth/top_k per device type ("cuda", "cpu").
     """
 
-    def __init__(self, target: Target, head: EagleHead, dynamic: bool, name: str | None = None,
+    def __init__(self, target: Target, head: DraftHead, dynamic: bool, name: str | None = None,
                  choices: list[list[int]] | None = None, total_tokens: int | None = None,
                  depth: int | None = None, top_k: int | None = None, budgets: dict | None = None):
         if head.hidden_size != target.config.hidden_size:
@@ -80,7 +80,6 @@ class EagleDrafter:
         self.head = head.to(device=target.device, dtype=target.dtype)
         self.features = head.feature_request()
         self.embed = target.model.get_input_embeddings()
-        self.lm_head = target.model.get_output_embeddings()
         self.dynamic = dynamic
         budget = (budgets or EAGLE2_BUDGETS)["cuda" if target.device.type == "cuda" else "cpu"]
         self.total_tokens = total_tokens or budget["total_tokens"]
@@ -122,7 +121,7 @@ class EagleDrafter:
     # ---------------------------------------------------------------- tree growth
 
     def _log_probs(self, features: torch.Tensor) -> torch.Tensor:
-        return self.head.token_log_probs(features, self.lm_head)
+        return self.head.token_log_probs(features)
 
     def _children(self, log_probs: torch.Tensor, count: int):
         """``count`` child tokens per row of log_probs [rows, V]: (tokens, log-confidences, q or None).

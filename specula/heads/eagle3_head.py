@@ -187,7 +187,7 @@ class Eagle3Head(nn.Module):
             outputs.append(hidden)
         return outputs
 
-    # ---------------------------------------------------------------- drafting: EagleDrafter's protocol
+    # ---------------------------------------------------------------- the DraftHead interface (heads/base.py)
 
     def new_cache(self, capacity: int) -> StaticKVCache:
         attn = self.midlayer.self_attn
@@ -216,7 +216,7 @@ class Eagle3Head(nn.Module):
         return torch.cat([hidden if i == self.num_target_layers else layers[i] for i in self.feature_layers], dim=-1)
 
     @torch.no_grad()  # drafting only; training reads draft_logits
-    def token_log_probs(self, predicted: torch.Tensor, lm_head: nn.Module | None = None) -> torch.Tensor:
+    def token_log_probs(self, predicted: torch.Tensor) -> torch.Tensor:
         """Log-probabilities [n, V] over the target vocabulary (-inf outside the draft vocabulary)."""
         draft = torch.log_softmax(self.draft_logits(predicted).float(), dim=-1)
         if self.d2t is None:

@@ -17,6 +17,7 @@ for i > 0 (layer 0 normalises nothing at its input), in `model.safetensors` or
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 
 import torch
@@ -95,7 +96,7 @@ class EagleHead(nn.Module):
         kv_heads = attn.k_proj.out_features // attn.head_dim
         return StaticKVCache(len(self.layers), kv_heads, attn.head_dim, capacity, param.dtype, param.device)
 
-    # The draft-head protocol EagleDrafter drives (EAGLE-3's head implements it too).
+    # ---------------------------------------------------------------- the DraftHead interface (heads/base.py)
 
     def feature_request(self) -> FeatureRequest:
         """What the head reads from every target forward."""
@@ -109,9 +110,18 @@ class EagleHead(nn.Module):
         """The head's input features [.., T, H] of a cached training sample or batch."""
         return sample["hidden"]
 
-    def token_log_probs(self, predicted: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+    def use_lm_head(self, lm_head: nn.Module) -> EagleHead:
+        """Read tokens through the target's (frozen) LM head, which the head shares and does not store."""
+        # A weak reference, not a submodule: never saved, moved, trained or deep-copied with the head.
+        object.__setattr__(self, "_lm_head", weakref.ref(lm_head))
+        return self
+
+    def token_log_probs(self, predicted: torch.Tensor) -> torch.Tensor:
         """Log-probabilities [n, V] over the target vocabulary from predicted features [n, H]."""
-        return torch.log_softmax(lm_head(predicted).float(), dim=-1)
+        lm_head = self.__dict__["_lm_head"]() if "_lm_head" in self.__dict__ else None
+        if lm_head is None:
+            raise RuntimeError("EagleHead.use_lm_head(target's LM head) must be called before drafting")
+        return torch.log_softmax(lm_head(predicted.to(lm_head.weight.dtype)).float(), dim=-1)
 
     @torch.no_grad()
     def step(self, features: torch.Tensor, token_embeds: torch.Tensor, positions: torch.Tensor,

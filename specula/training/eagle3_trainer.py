@@ -21,10 +21,11 @@ from pathlib import Path
 
 import torch
 
+from specula.drafters.chain import chain_acceptance
 from specula.errors import SpeculaError
 from specula.heads.eagle3_head import Eagle3Head, default_feature_layers, fused_feature_request
 from specula.target import FeatureRequest, Target
-from specula.training.eagle_trainer import chain_acceptance, eagle2_tau
+from specula.training.eagle_trainer import eagle2_tau
 from specula.training.loop import TrainConfig, run_training
 
 STEP_DECAY = 0.8

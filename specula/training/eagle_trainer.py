@@ -11,12 +11,15 @@ paper, so the head tolerates its own imperfect features at draft time.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from specula.drafters.chain import chain_acceptance
+from specula.drafters.eagle import EagleDrafter
 from specula.heads.eagle_head import EagleHead
 from specula.target import Target
 from specula.training.evaluation import mean_tau
@@ -63,56 +66,8 @@ def eagle_loss(target: Target, noise: float = FEATURE_NOISE):
     return loss_fn
 
 
-@torch.no_grad()
-def chain_acceptance(head, target: Target, samples, max_steps: int = 4, max_positions: int = 64) -> list[float]:
-    """Acceptance rates n-α, n = 0..max_steps-1, of greedy chain drafting on held-out samples.
-
-    Works for any head with EagleHead's drafting protocol (EAGLE and EAGLE-3). At each response
-    position the head drafts a chain from the true features of the prefix; draft n (0-based) reads
-    n of the head's own outputs. n-α is the fraction of drafts n that equal the sample's next token
-    among those whose earlier drafts all did. Samples are the target's own greedy continuations,
-    so their tokens are the target's choices.
-    """
-    head = head.eval()
-    embed = target.model.get_input_embeddings()
-    lm_head = target.model.get_output_embeddings()
-    dtype = head.fc.weight.dtype
-    tried = [0] * max_steps
-    accepted = [0] * max_steps
-    for sample in samples:
-        ids, response = sample["input_ids"].to(target.device), sample["loss_mask"]
-        features = head.sample_features(sample).to(target.device, dtype)
-        length = ids.shape[0]
-        cache = head.new_cache(length + max_steps + 1)
-        starts = [i for i in range(length - 2) if response[i + 2]][:max_positions]
-        done = 0
-        for start in starts:
-            # Commit the true pairs up to and including `start`.
-            pairs = torch.arange(done, start + 1, device=target.device)
-            predicted = head.step(features[pairs], embed(ids[pairs + 1]).to(dtype), pairs, cache, None)
-            cache.commit()
-            done = start + 1
-            feature = predicted[-1:]
-            for n in range(min(max_steps, length - start - 2)):
-                guess = int(head.token_log_probs(feature, lm_head).argmax(-1))
-                tried[n] += 1
-                if guess != int(ids[start + 2 + n]):
-                    break
-                accepted[n] += 1
-                position = torch.tensor([start + 1 + n], device=target.device)
-                feature = head.step(feature, embed(torch.tensor([guess], device=target.device)).to(dtype),
-                                    position, cache, None, own_features=True)
-                cache.commit()
-            cache.truncate(done)
-    return [a / t if t else 0.0 for a, t in zip(accepted, tried, strict=True)]
-
-
 def eagle2_tau(head: EagleHead, target: Target, samples, max_new_tokens: int = 48) -> float:
     """Mean tokens per cycle of greedy `eagle2` decoding from the prompts of held-out samples."""
-    import copy
-
-    from specula.drafters.eagle import EagleDrafter
-
     return mean_tau(target, EagleDrafter(target, copy.deepcopy(head).eval(), dynamic=True), samples, max_new_tokens)
 
 
@@ -129,6 +84,7 @@ def train_eagle(target: Target, train_set, eval_set, out: Path, config: TrainCon
     """Train a fresh EAGLE head for ``target`` on cached feature samples; writes it to ``out``."""
     torch.manual_seed(config.seed)
     head = EagleHead.for_target(target.config, num_layers=options.num_layers).float().to(target.device)
+    head.use_lm_head(target.model.get_output_embeddings())
 
     def evaluate(model: EagleHead, epoch: int) -> dict:
         subset = [eval_set[i] for i in range(min(len(eval_set), options.eval_samples))]

@@ -6,13 +6,9 @@ accepted token" of a decoding cycle: the target has just emitted t_{s+1} (the ne
 root) and the EAGLE head has read the true pairs (f_i, t_{i+1}) for i <= s. The head
 then drafts a chain greedily; its label is the number of drafts equal to t_{s+2},
 t_{s+3}, ... before the first miss, at most ``max_length`` — exactly what greedy
-decoding with a chain that long would accept there (`chain_acceptance` in
-`eagle_trainer` measures the same chains one position at a time).
-
-All positions of a sample are drafted together, one head step per chain depth: the
-true pairs are computed once into the head's KV cache and every chain's draft
-attends to the true pairs up to its own start and to its own earlier drafts (a
-tree-shaped mask over one shared cache).
+decoding with a chain that long would accept there. The chains are drafted by
+`specula.drafters.chain.chain_labels`, all positions of a sample at once (the
+trainers' n-α evaluation reads the same chains).
 
 A chain still unbroken when the sample's response ends is *censored*: its label is a
 lower bound. Training skips censored positions; the decoding simulation in the
@@ -33,69 +29,10 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from specula.heads.eagle_head import EagleHead
+from specula.drafters.chain import chain_labels
+from specula.heads.base import DraftHead
 from specula.target import Target
 from specula.training.data import target_fingerprint
-
-
-@torch.no_grad()
-def chain_labels(head: EagleHead, target: Target, sample: dict[str, torch.Tensor], max_length: int
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(labels int64 [T], censored bool [T]) for one sample (input_ids [T], loss_mask [T], hidden [T, H]).
-
-    labels[s] is the accepted length of the chain drafted after position s, -1 where s + 2 is not
-    a response position (no draft of the chain would be a target choice).
-    """
-    device = target.device
-    embed = target.model.get_input_embeddings()
-    lm_head = target.model.get_output_embeddings()
-    dtype = head.fc.weight.dtype
-    ids = sample["input_ids"].to(device)
-    response = sample["loss_mask"].bool().to(device)
-    length = ids.shape[0]
-    labels = torch.full((length,), -1, dtype=torch.long)
-    censored = torch.zeros(length, dtype=torch.bool)
-    if length < 3:
-        return labels, censored
-    starts = torch.nonzero(response[2:]).flatten()  # s with t_{s+2} in the response
-    if not len(starts):
-        return labels, censored
-    features = head.sample_features(sample).to(device, dtype)
-    pairs = length - 1  # true pair i = (f_i, t_{i+1}) sits in cache slot i
-    cache = head.new_cache(pairs + len(starts) * max_length)
-    predicted = head.step(features[:pairs], embed(ids[1:]).to(dtype), torch.arange(pairs, device=device),
-                          cache, None)
-    cache.commit()
-    count = torch.zeros(len(starts), dtype=torch.long, device=device)
-    slots = torch.full((len(starts), max_length), -1, dtype=torch.long, device=device)  # cache slot of draft n
-    alive = torch.arange(len(starts), device=device)  # chains whose drafts all matched so far
-    feature = predicted[starts]  # [R, H]: the head's prediction of f_{s+1}
-    for n in range(max_length):
-        wanted = starts[alive] + 2 + n  # draft n of the chain after s guesses t_{s+2+n}
-        checkable = (wanted < length) & response[wanted.clamp(max=length - 1)]
-        censored[starts[alive[~checkable]].cpu()] = True  # unbroken, but nothing left to check against
-        alive, feature, wanted = alive[checkable], feature[checkable], wanted[checkable]
-        if not len(alive):
-            break
-        guess = head.token_log_probs(feature, lm_head).argmax(-1)
-        hit = guess == ids[wanted]
-        count[alive[hit]] += 1
-        alive, feature, wanted = alive[hit], feature[hit], wanted[hit]
-        if n == max_length - 1 or not len(alive):
-            break
-        # Feed (own feature, matched token) at position s + 1 + n; it sees the true pairs 0..s and its own drafts.
-        prefix, rows = cache.length, len(alive)
-        mask = torch.zeros(rows, prefix + rows, dtype=torch.bool, device=device)
-        mask[:, :pairs] = torch.arange(pairs, device=device)[None] <= starts[alive][:, None]
-        own = slots[alive, :n]
-        mask[torch.arange(rows, device=device)[:, None].expand_as(own), own] = True
-        mask[torch.arange(rows), prefix + torch.arange(rows)] = True
-        feature = head.step(feature, embed(ids[wanted]).to(dtype), starts[alive] + 1 + n, cache,
-                            mask[None, None], own_features=True)
-        cache.commit()
-        slots[alive, n] = prefix + torch.arange(rows, device=device)
-    labels[starts.cpu()] = count.cpu()
-    return labels, censored
 
 
 class LabelledFeatures:
@@ -113,7 +50,7 @@ class LabelledFeatures:
         return item
 
 
-def label_features(head: EagleHead, target: Target, features, max_length: int, directory: Path | None,
+def label_features(head: DraftHead, target: Target, features, max_length: int, directory: Path | None,
                    head_key: str, desc: str = "labels", log=print) -> LabelledFeatures:
     """Label every item of ``features`` (reusing ``directory``'s stored labels for the same inputs)."""
     path = None

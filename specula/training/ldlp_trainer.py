@@ -162,6 +162,7 @@ def train_ldlp(target: Target, head: EagleHead, head_key: str, train_set, eval_s
         raise SpeculaError(f"EAGLE head hidden size {head.hidden_size} does not fit the target's "
                            f"{target.config.hidden_size}")
     head = head.to(device=target.device, dtype=target.dtype).eval()
+    head.use_lm_head(target.model.get_output_embeddings())
     train = label_features(head, target, train_set, options.max_draft_length, labels_dir, head_key,
                            "label train", log)
     held_out = label_features(head, target, eval_set, options.max_draft_length, labels_dir, head_key,

@@ -1,0 +1,48 @@
+"""The draft-head interface: what a feature-level draft head (EAGLE, EAGLE-3) offers the code that drives it.
+
+`EagleDrafter` (decoding), the batched greedy chains of `specula.drafters.chain`
+(trainers' acceptance and the LDLP's labels) and `specula train` use a head only
+through these members, so a new head kind is one class implementing them.
+Names follow SpecForge's split of a draft model into reading the target
+(`target_features`), one step (`step`) and the output layer (`token_log_probs`).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from specula.static_cache import StaticKVCache
+from specula.target import FeatureRequest, ForwardOutput
+
+
+class DraftHead(Protocol):
+    """A head that predicts the target's next feature from (feature, next-token embedding) pairs.
+
+    H is the head's hidden size; F the width of the target features it reads (H for EAGLE,
+    L·H for EAGLE-3's fused layers); V the target's vocabulary.
+    """
+
+    hidden_size: int
+
+    def feature_request(self) -> FeatureRequest:
+        """Which hidden states the head reads from every target forward."""
+
+    def target_features(self, out: ForwardOutput) -> torch.Tensor:
+        """The head's input features [n, F] from a target forward's output rows."""
+
+    def sample_features(self, sample: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The head's input features [.., T, F] of a cached training sample or batch."""
+
+    def new_cache(self, capacity: int) -> StaticKVCache:
+        """An empty KV cache for ``capacity`` pairs."""
+
+    def step(self, features: torch.Tensor, token_embeds: torch.Tensor, positions: torch.Tensor,
+             cache: StaticKVCache, mask: torch.Tensor | None, own_features: bool = False) -> torch.Tensor:
+        """Predicted features [n, H] for n pairs after the cache: features [n, F] from the target (or [n, H],
+        the head's own predictions, when ``own_features``), token_embeds [n, H], positions [n],
+        mask bool [1, 1, n, cache.length + n] or None for a causal chain."""
+
+    def token_log_probs(self, predicted: torch.Tensor) -> torch.Tensor:
+        """Log-probabilities [n, V] over the target vocabulary (-inf for tokens the head never drafts)."""
