@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specula.heads.checkpoint import load_checked, load_state_dict, read_config, save_module
+from specula.heads.checkpoint import build_module, load_checked, load_state_dict, read_config, save_module
 from specula.static_cache import StaticKVCache, decoder_layer_step, rotary_function
 from specula.target import FeatureRequest, ForwardOutput
 
@@ -142,9 +142,10 @@ class EagleHead(nn.Module):
         state = load_state_dict(directory)
         state = {k: v for k, v in state.items() if not k.startswith(("embed_tokens.", "lm_head."))}
         if "num_hidden_layers" not in config:
-            config["num_hidden_layers"] = 1 + max(int(k.split(".")[1]) for k in state if k.startswith("layers."))
+            config["num_hidden_layers"] = 1 + max((int(k.split(".")[1]) for k in state if k.startswith("layers.")),
+                                                  default=0)
         config.setdefault("bias", "fc.bias" in state)
-        head = cls(config)
+        head = build_module(cls, config, f"EAGLE head in {directory}")
         load_checked(head, state, f"EAGLE head in {directory}")
         return head.to(device=device, dtype=dtype or state["fc.weight"].dtype).eval()
 

@@ -41,7 +41,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from specula.errors import SpeculaError
-from specula.heads.checkpoint import atomic_write
+from specula.outputs import atomic_write
+from specula.readers import check_fields
 
 WEIGHT_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt", "model.safetensors")
 PREFIX = "medusa_head."
@@ -170,7 +171,7 @@ def _read_config(directory: Path) -> dict:
         raise SpeculaError(f"Medusa config {file} is not valid JSON: {err}") from err
     if not isinstance(config, dict):
         raise SpeculaError(f"Medusa config {file} is not a JSON object")
-    return config
+    return check_fields(config, f"Medusa config {file}")
 
 
 def _read_weights(directory: Path) -> tuple[dict[str, torch.Tensor], Path]:

@@ -35,9 +35,9 @@ from pathlib import Path
 import torch
 
 from specula.errors import SpeculaError
-from specula.heads.checkpoint import atomic_write
 from specula.heads.eagle_head import EagleHead
 from specula.heads.ldlp import LengthPredictor, head_fingerprint
+from specula.outputs import atomic_write_json
 from specula.target import FeatureRequest, Target
 from specula.training.ldlp_data import LabelledFeatures, label_features
 from specula.training.loop import TrainConfig, run_training
@@ -187,7 +187,7 @@ def train_ldlp(target: Target, head: EagleHead, head_key: str, train_set, eval_s
         return {}
     trained = LengthPredictor.from_pretrained(out, dtype=torch.float32, device=target.device)
     report = compare_lengths(trained, target, held_out)
-    atomic_write(out / "evaluation.json", lambda tmp: Path(tmp).write_text(json.dumps(report, indent=1)))
+    atomic_write_json(out / "evaluation.json", report)
     return report
 
 

@@ -39,8 +39,8 @@ import torch.nn.functional as F
 
 from specula.drafters.medusa import CHOICES_FILE, DEFAULT_CHOICES, build_choices, expected_accepted
 from specula.errors import SpeculaError
-from specula.heads.checkpoint import atomic_write
 from specula.heads.medusa_head import MedusaHeads
+from specula.outputs import atomic_write_json
 from specula.target import FeatureRequest, Target
 from specula.training.evaluation import mean_tau
 from specula.training.loop import TrainConfig, run_training
@@ -127,7 +127,7 @@ def write_tree(path: Path, heads: MedusaHeads, samples, nodes: int = TREE_NODES,
               "accuracy": [[round(a, 4) for a in row] for row in accuracy.tolist()],
               "measured_on_samples": len(samples)}
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(report, indent=1)))
+    atomic_write_json(path, report)
     return report
 
 
