@@ -242,21 +242,26 @@ def add_data_arguments(p: argparse.ArgumentParser) -> None:
 
 def training_inputs(args: argparse.Namespace, request):
     """Load the target and build (target, train set, eval set, TrainConfig) from the shared options."""
+    from specula.outputs import prepare_output_dir
     from specula.target import Target
     from specula.training.loop import TrainConfig
     from specula.training.recipe import DataOptions, feature_sets
 
     if not args.data.is_file():
         raise SpeculaError(f"data file not found: {args.data}")
-    target = Target.load(args.target, dtype=args.dtype, device=args.device)
-    options = DataOptions(args.data, args.cache_dir, not args.no_regenerate, args.gen_max_new_tokens,
-                          args.gen_temperature, args.gen_batch_size, args.eval_samples, args.seed,
-                          args.train_samples, args.max_prompt_context)
-    train_set, eval_set = feature_sets(target, options, request, log=lambda message: print(message,
-                                                                                           file=sys.stderr))
+    # Settings and --out are checked before the target loads and regenerates data, which can take minutes.
     config = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
                          grad_clip=args.grad_clip, save_every=args.save_every, seed=args.seed,
                          mixed_precision=args.mixed_precision)
+    options = DataOptions(args.data, args.cache_dir, not args.no_regenerate, args.gen_max_new_tokens,
+                          args.gen_temperature, args.gen_batch_size, args.eval_samples, args.seed,
+                          args.train_samples, args.max_prompt_context)
+    kind = f"train {args.trainer}"
+    prepare_output_dir(args.out, kind, args.resume, create=False)
+    target = Target.load(args.target, dtype=args.dtype, device=args.device)
+    prepare_output_dir(args.out, kind, args.resume)
+    train_set, eval_set = feature_sets(target, options, request, log=lambda message: print(message,
+                                                                                           file=sys.stderr))
     return target, train_set, eval_set, config
 
 

@@ -155,11 +155,13 @@ def _probe_writable(directory: Path, out: Path) -> None:
         raise SpeculaError(f"--out {out} cannot be written: {directory}: {_reason(err)}") from err
 
 
-def prepare_output_dir(path: str | Path, kind: str, resume: bool = False) -> Path:
+def prepare_output_dir(path: str | Path, kind: str, resume: bool = False, create: bool = True) -> Path:
     """Check that ``kind`` (e.g. "train eagle", "convert") may write into ``path``, then create and mark it.
 
     Raises SpeculaError, having written nothing, when ``path`` is a file, lies under a file,
     cannot be written, or is a directory this command did not write (see the module docstring).
+    ``create=False`` only checks, so that a command can fail fast and claim the directory once its
+    other inputs have proved usable (nothing is left behind by a run that stops at bad input).
     """
     out = Path(path)
     existing = next((p for p in (out, *out.parents) if p.exists()), None)
@@ -169,6 +171,8 @@ def prepare_output_dir(path: str | Path, kind: str, resume: bool = False) -> Pat
         raise SpeculaError(f"--out {out} lies under {existing}, which is a file")
     marker = _check_owner(out, kind, resume) if existing == out else None
     _probe_writable(existing if existing is not None else Path.cwd(), out)
+    if not create:
+        return out
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:

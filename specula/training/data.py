@@ -268,8 +268,8 @@ def regenerate(target: Target, records: Sequence[TrainingRecord], max_new_tokens
     """
     if max_new_tokens < 1:
         raise SpeculaError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if not temperature >= 0.0:
-        raise SpeculaError(f"temperature must be >= 0, got {temperature}")
+    if not 0.0 <= temperature < float("inf"):
+        raise SpeculaError(f"temperature must be a finite number >= 0, got {temperature}")
     if batch_size < 1:
         raise SpeculaError(f"batch size must be >= 1, got {batch_size}")
     prompt_limit = min(max_prompt_tokens, target.max_length - max_new_tokens)

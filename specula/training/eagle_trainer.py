@@ -140,4 +140,4 @@ def train_eagle(target: Target, train_set, eval_set, out: Path, config: TrainCon
     return run_training(head, train_set, eagle_loss(target), config, out,
                         save_head=lambda model, directory: model.save_pretrained(directory),
                         keys=("input_ids", "loss_mask", "hidden"), resume=resume,
-                        evaluate=evaluate if len(eval_set) else None, log=log)
+                        evaluate=evaluate if len(eval_set) else None, log=log, kind="train eagle")

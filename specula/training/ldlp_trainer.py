@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +38,7 @@ import torch
 from specula.errors import SpeculaError
 from specula.heads.eagle_head import EagleHead
 from specula.heads.ldlp import LengthPredictor, head_fingerprint
-from specula.outputs import atomic_write_json
+from specula.outputs import atomic_write_json, prepare_output_dir
 from specula.target import FeatureRequest, Target
 from specula.training.ldlp_data import LabelledFeatures, label_features
 from specula.training.loop import TrainConfig, run_training
@@ -149,6 +150,11 @@ class LdlpTrainOptions:
     intermediate_size: int = 256
     penalty: float = PENALTY
 
+    def __post_init__(self) -> None:
+        if not (isinstance(self.penalty, (int, float)) and math.isfinite(self.penalty) and self.penalty >= 1.0):
+            raise SpeculaError(f"the under-prediction penalty (--penalty) must be a finite number >= 1, "
+                               f"got {self.penalty!r}")
+
 
 def train_ldlp(target: Target, head: EagleHead, head_key: str, train_set, eval_set, out: Path, config: TrainConfig,
                options: LdlpTrainOptions = LdlpTrainOptions(), labels_dir: Path | None = None,
@@ -163,6 +169,7 @@ def train_ldlp(target: Target, head: EagleHead, head_key: str, train_set, eval_s
     if head.hidden_size != target.config.hidden_size:
         raise SpeculaError(f"EAGLE head hidden size {head.hidden_size} does not fit the target's "
                            f"{target.config.hidden_size}")
+    prepare_output_dir(out, "train ldlp", resume)  # the labels may go there before training starts
     head = head.to(device=target.device, dtype=target.dtype).eval()
     train = label_features(head, target, train_set, options.max_draft_length, labels_dir, head_key,
                            "label train", log)
@@ -182,7 +189,8 @@ def train_ldlp(target: Target, head: EagleHead, head_key: str, train_set, eval_s
 
     run_training(predictor, train, ldlp_loss(target, options.penalty), config, out,
                  save_head=lambda model, directory: model.save_pretrained(directory), keys=KEYS, resume=resume,
-                 evaluate=evaluate if len(held_out) else None, log=log)
+                 evaluate=evaluate if len(held_out) else None, log=log,
+                 kind="train ldlp")
     if not len(held_out):
         return {}
     trained = LengthPredictor.from_pretrained(out, dtype=torch.float32, device=target.device)
@@ -217,8 +225,8 @@ def run_train_ldlp(args: argparse.Namespace) -> int:
     from specula.cli import training_inputs
     from specula.target import check_model_dir
 
-    if args.penalty < 1.0:
-        raise SpeculaError(f"--penalty must be >= 1, got {args.penalty}")
+    if not (math.isfinite(args.penalty) and args.penalty >= 1.0):
+        raise SpeculaError(f"--penalty must be a finite number >= 1, got {args.penalty}")
     # Check the head before regenerating data, which can take far longer than a wrong path deserves.
     if not args.draft.is_dir():
         raise SpeculaError(f"EAGLE head directory not found: {args.draft}")

@@ -171,7 +171,7 @@ def train_medusa(target: Target, train_set, eval_set, out: Path, config: TrainCo
     history = run_training(heads, train_set, medusa_loss(options.num_heads, options.decay), config, out,
                            save_head=lambda model, directory: model.save_pretrained(directory),
                            keys=("input_ids", "loss_mask", "hidden"), resume=resume,
-                           evaluate=evaluate if len(eval_set) else None, log=log)
+                           evaluate=evaluate if len(eval_set) else None, log=log, kind="train medusa")
     if len(eval_set) and int(os.environ.get("RANK", "0")) == 0:  # one process writes the tree
         report = write_tree(out / CHOICES_FILE, heads, held_out(), options.tree_nodes, options.tree_top_k)
         log(f"tree of {report['nodes']} candidates, {report['expected_accepted']} expected accepted drafts per "
