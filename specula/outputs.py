@@ -133,9 +133,10 @@ def _check_owner(out: Path, kind: str, resume: bool) -> dict | None:
     if marker is None:
         legacy_run = resume and (out / "checkpoint" / "trainer_state.pt").is_file()  # written before markers
         if others and not legacy_run:
-            what = "a model or draft head" if _holds_model(out) else f"{len(others)} entries"
-            raise SpeculaError(f"--out {out} already holds {what} that `specula {kind}` did not write; "
-                               "choose a new or empty directory")
+            names = ", ".join(sorted(entry.name for entry in others)[:3])
+            what = "a model or draft head" if _holds_model(out) else f"files it did not write ({names})"
+            raise SpeculaError(f"--out {out} already holds {what}; `specula {kind}` writes only into a new or empty "
+                               "directory or its own earlier output")
         return None
     if marker["kind"] != kind:
         raise SpeculaError(f"--out {out} holds the output of `specula {marker['kind']}`, not of `specula {kind}`; "

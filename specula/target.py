@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from specula.errors import SpeculaError
-from specula.readers import check_safetensors, open_safetensors
+from specula.readers import check_fields, check_safetensors, expect_object, open_safetensors
 from specula.static_cache import StaticKVCache, block_attention_mask, decoder_layer_step, rotary_function
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -97,9 +97,10 @@ def check_model_dir(path: str | Path, role: str = "model") -> Path:
     if not config_file.is_file():
         raise SpeculaError(f"{role} directory {path} has no config.json (not a Hugging Face model directory)")
     try:
-        json.loads(config_file.read_text())
-    except (OSError, json.JSONDecodeError) as err:
+        config = json.loads(config_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise SpeculaError(f"{role} config {config_file} is not valid JSON: {err}") from err
+    check_fields(expect_object(config, f"{role} config {config_file}"), f"{role} config {config_file}")
     return model_dir
 
 
