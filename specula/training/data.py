@@ -57,7 +57,7 @@ import torch
 from specula.errors import SpeculaError
 from specula.jsonl import json_lines
 from specula.outputs import atomic_write, atomic_write_text
-from specula.readers import check_safetensors, open_safetensors
+from specula.readers import check_safetensors, load_torch, open_safetensors
 from specula.target import FeatureRequest, Target
 
 ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
@@ -510,10 +510,7 @@ def save_samples(samples: Sequence[TrainingSample], path: str | Path, fingerprin
 def load_samples(path: str | Path, fingerprint: str | None = None, components: dict | None = None,
                  ) -> list[TrainingSample]:
     """Samples written by `save_samples`; with ``fingerprint``, refuse a file made for something else."""
-    try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # truncated or foreign file
-        raise SpeculaError(f"cannot read training samples from {path}: {err}") from err
+    payload = load_torch(path, "training samples file")
     if not isinstance(payload, dict) or payload.get("format") != "specula-samples":
         raise SpeculaError(f"{path} is not a specula samples file")
     if fingerprint is not None and payload["fingerprint"] != fingerprint:
