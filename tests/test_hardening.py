@@ -625,3 +625,21 @@ def test_at_the_context_limit_every_method_equals_vanilla(name, near_context):
         assert length + len(sampled.token_ids) <= CONTEXT
     if name != "vanilla":
         assert drafted > 0, f"{name} never accepted a draft near the limit, so the test proved little"
+
+
+@pytest.mark.parametrize("results, message", [
+    ([], "no 'records' list"), ({"records": {"a": 1}}, "no 'records' list"),
+    ({"records": [1, 2]}, "not JSON objects"), ({"records": [], "settings": [1]}, "not JSON objects"),
+])
+def test_bench_results_of_the_wrong_type_are_one_error_line(results, message, tmp_path, capsys):
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text(json.dumps({"question_id": "q", "category": "story", "prompt": PROMPT}) + "\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "results.json").write_text(json.dumps(results))
+    before = fingerprint(out)
+    line = one_error(capsys, main(["bench", "--target", str(STORIES), "--methods", "vanilla", "--data", str(questions),
+                                   "--max-new-tokens", "4", "--threads", "1", "--out", str(out), "--no-progress",
+                                   "--no-profile"]))
+    assert message in line, line
+    assert fingerprint(out) == before

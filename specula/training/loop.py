@@ -132,7 +132,10 @@ class Checkpointer:
     def load_state(self) -> dict | None:
         file = self.path / "trainer_state.pt"
         if not file.is_file():
-            return None
+            # Interrupted between the two renames of `atomic_replace_dir`: the previous checkpoint is whole there.
+            file = self.path.with_name(f".{self.path.name}.old") / "trainer_state.pt"
+            if not file.is_file():
+                return None
         hint = "; delete that checkpoint directory to start over, or use another --out"
         try:
             state = load_torch(file, "training checkpoint")
