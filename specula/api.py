@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -43,6 +44,7 @@ class Speculator:
         self.method = method
         self.drafter = drafter
         self.acceptor = acceptor or Acceptor()
+        self._busy = threading.Lock()  # one KV cache: one generation at a time
 
     @property
     def lossless(self) -> bool:
@@ -73,15 +75,22 @@ class Speculator:
         """Yield each cycle's new tokens and text as they are decided."""
         params = SamplingParams(temperature, top_k, top_p)
         ids = self.encode(prompt)
-        emitted: list[int] = []
-        shown = ""
-        for chunk in stream_tokens(self.target, self.drafter, ids, max_new_tokens, params, seed, stop_on_eos,
-                                   acceptor=self.acceptor, stats=stats):
-            emitted.extend(chunk)
-            # Decode the whole tail so multi-byte characters split across tokens come out whole.
-            text = self.tokenizer.decode(emitted, skip_special_tokens=True)
-            delta, shown = text[len(shown):], text
-            yield StreamChunk(chunk, delta)
+        # The target's and drafter's caches hold one generation: a second one would silently corrupt both.
+        if not self._busy.acquire(blocking=False):
+            raise SpeculaError("this Speculator is already generating: finish or close() the unfinished stream() "
+                               "first, or load another Speculator for concurrent generations")
+        try:
+            emitted: list[int] = []
+            shown = ""
+            for chunk in stream_tokens(self.target, self.drafter, ids, max_new_tokens, params, seed, stop_on_eos,
+                                       acceptor=self.acceptor, stats=stats):
+                emitted.extend(chunk)
+                # Decode the whole tail so multi-byte characters split across tokens come out whole.
+                text = self.tokenizer.decode(emitted, skip_special_tokens=True)
+                delta, shown = text[len(shown):], text
+                yield StreamChunk(chunk, delta)
+        finally:
+            self._busy.release()
 
     def generate(self, prompt: str | list[int] | torch.Tensor, max_new_tokens: int = 128,
                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,

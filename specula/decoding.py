@@ -102,9 +102,12 @@ def stream_tokens(target: Target, drafter: Drafter, prompt: torch.Tensor, max_ne
     yield [first]
 
     while not stats.stop_reason:
-        # Never draft past the token budget or the cache: a tree of depth d yields at most d + 1 tokens.
+        # Never draft past the token budget or the context: a tree of depth d yields at most d + 1 tokens
+        # (d drafts and the target's bonus token), and the context already holds the uncommitted root,
+        # so d + 1 new tokens fit only if d <= max_length - len(context) - 1. The verify forward itself
+        # needs one cache slot per tree node: the root's and the drafts' (`room`).
         room = target.max_length - target.length
-        max_depth = min(max_new_tokens - stats.new_tokens - 1, room - 1)
+        max_depth = min(max_new_tokens - stats.new_tokens - 1, target.max_length - len(context) - 1)
         tick = time.perf_counter()
         tree = drafter.propose(context, max_depth, params, generator).prune(max_depth, room)
         tock = time.perf_counter()
@@ -116,7 +119,7 @@ def stream_tokens(target: Target, drafter: Drafter, prompt: torch.Tensor, max_ne
         stats.draft_time += tock - tick
 
         new = tree.tokens[result.accepted_nodes[1:]].tolist() + [result.next_token]
-        new = _clip(new, eos, max_new_tokens - stats.new_tokens)
+        new = _clip(new, eos, min(max_new_tokens - stats.new_tokens, target.max_length - len(context)))
         context = torch.cat([context, torch.tensor(new, device=target.device)])
         stats.cycles += 1
         stats.new_tokens += len(new)

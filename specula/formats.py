@@ -15,7 +15,6 @@ docs/formats.md lists the sources (repository, path, commit) each name was check
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -24,6 +23,8 @@ from specula.errors import SpeculaError
 from specula.heads.checkpoint import load_checked, load_state_dict, read_config, save_checkpoint
 from specula.heads.eagle3_head import ARCHITECTURE, Eagle3Head, default_feature_layers
 from specula.heads.eagle_head import CONFIG_KEYS
+from specula.outputs import prepare_output_dir
+from specula.readers import open_safetensors, read_json_object
 
 FORMATS = ("eagle3", "speculators")
 SPECULATORS_VERSION = "0.8.1"  # the latest speculators release on PyPI when these field names were checked
@@ -54,16 +55,16 @@ def load_head(directory: str | Path, num_target_layers: int | None = None) -> Ea
 
 def target_embedding(target_dir: Path) -> torch.Tensor:
     """The input embedding [V, H] of a local HF model, read without loading its other tensors when possible."""
-    from safetensors import safe_open
-
     index = target_dir / "model.safetensors.index.json"
     files = [target_dir / "model.safetensors"]
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        files = [target_dir / f for name, f in weight_map.items() if name.endswith(EMBEDDING)]
+        weight_map = read_json_object(index, "safetensors index").get("weight_map", {})
+        if not isinstance(weight_map, dict):
+            raise SpeculaError(f"safetensors index {index}: 'weight_map' must be a JSON object")
+        files = [target_dir / str(f) for name, f in weight_map.items() if name.endswith(EMBEDDING)]
     for file in files:
         if file.is_file():
-            with safe_open(str(file), framework="pt") as handle:
+            with open_safetensors(file, "target weights file") as handle:
                 name = next((n for n in handle.keys() if n.endswith(EMBEDDING)), None)
                 if name is not None:
                     return handle.get_tensor(name)
@@ -186,6 +187,7 @@ def convert(draft: str | Path, to: str, out: str | Path, target: str | Path | No
         raise SpeculaError("--to speculators needs --target DIR: the layout stores the target's embedding "
                            "and names it as verifier")
     head = load_head(draft, target_layer_count(target))
+    prepare_output_dir(out, "convert")  # after the cheap checks of the inputs, so that bad input leaves nothing
     if to == "speculators":
         save_speculators(head, out, target, speculative_tokens)
     else:

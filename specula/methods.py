@@ -73,7 +73,7 @@ class OptionSpec:
                 raise SpeculaError(f"{label} must be a directory path, got {value!r}")
             return Path(value)
         if self.kind == "tree":
-            return parse_tree(value, label)
+            return parse_tree(value, f"{where}tree choices ({self.flag})")
         number = _number(value, self.kind, label)
         if self.minimum is not None and number < self.minimum:
             raise SpeculaError(f"{where}{self.flag}: must be >= {self.minimum:g}, got {number:g} ({self.name})")
@@ -195,7 +195,6 @@ def _sps(target: Target, draft: Path | None, options: dict, dtype: str) -> Draft
 def _eagle(dynamic: bool) -> Callable[[Target, Path | None, dict, str], Drafter]:
     def build(target: Target, draft: Path | None, options: dict, dtype: str) -> Drafter:
         head = EagleHead.from_pretrained(draft, dtype=target.dtype, device=target.device)
-        head.use_lm_head(target.model.get_output_embeddings())
         return EagleDrafter(target, head, dynamic=dynamic, budgets=EAGLE2_BUDGETS, **options)
     return build
 

@@ -22,6 +22,7 @@ import os
 from pathlib import Path
 
 from specula.errors import SpeculaError
+from specula.outputs import atomic_write_json
 
 PROFILE_VERSION = 1
 
@@ -52,11 +53,30 @@ def load_profile(target_name: str, path: str | Path | None = None) -> dict | Non
         profile = json.loads(file.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise SpeculaError(f"cannot read hardware profile {file}: {err} (delete it or run specula calibrate)") from err
-    if not isinstance(profile, dict) or not isinstance(profile.get("methods", {}), dict):
-        raise SpeculaError(f"hardware profile {file} is malformed (delete it or run specula calibrate)")
+    problem = _malformed(profile)
+    if problem:
+        raise SpeculaError(f"hardware profile {file} is malformed: {problem} (delete it or run specula calibrate)")
     profile.setdefault("methods", {})
     profile["path"] = str(file)
     return profile
+
+
+def _malformed(profile) -> str:
+    """What is wrong with the shape of a decoded profile ("" if nothing): every level read must be of its type."""
+    if not isinstance(profile, dict):
+        return "it is not a JSON object"
+    for key in ("target", "device", "dtype"):
+        if key in profile and not isinstance(profile[key], str):
+            return f"'{key}' is not a string"
+    methods = profile.get("methods", {})
+    if not isinstance(methods, dict):
+        return "'methods' is not an object"
+    for method, entry in methods.items():
+        if not isinstance(entry, dict):
+            return f"methods.{method} is not an object"
+        if not isinstance(entry.get("defaults") or {}, dict):
+            return f"methods.{method}.defaults is not an object"
+    return ""
 
 
 def profile_defaults(profile: dict | None, method: str, device: str = "cpu") -> dict:
@@ -92,7 +112,5 @@ def save_profile(profile: dict, path: str | Path) -> Path:
     merged.pop("path", None)
     merged["version"] = PROFILE_VERSION
     file.parent.mkdir(parents=True, exist_ok=True)
-    tmp = file.with_suffix(file.suffix + ".tmp")
-    tmp.write_text(json.dumps(merged, indent=2) + "\n", encoding="utf-8")
-    tmp.replace(file)
+    atomic_write_json(file, merged, indent=2)
     return file

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from specula.errors import SpeculaError
+from specula.readers import check_fields, check_safetensors, expect_object, open_safetensors
 from specula.static_cache import StaticKVCache, block_attention_mask, decoder_layer_step, rotary_function
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -75,13 +76,11 @@ def resolve_dtype(name: str | torch.dtype, model_dir: Path) -> torch.dtype:
 
 
 def _stored_dtype(model_dir: Path) -> torch.dtype:
-    from safetensors import safe_open
-
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         return torch.float32
     names = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
-    with safe_open(str(files[0]), "pt") as weights:
+    with open_safetensors(files[0], "weights file") as weights:
         for key in weights.keys():
             stored = names.get(weights.get_slice(key).get_dtype())
             if stored is not None:
@@ -98,9 +97,10 @@ def check_model_dir(path: str | Path, role: str = "model") -> Path:
     if not config_file.is_file():
         raise SpeculaError(f"{role} directory {path} has no config.json (not a Hugging Face model directory)")
     try:
-        json.loads(config_file.read_text())
-    except (OSError, json.JSONDecodeError) as err:
+        config = json.loads(config_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise SpeculaError(f"{role} config {config_file} is not valid JSON: {err}") from err
+    check_fields(expect_object(config, f"{role} config {config_file}"), f"{role} config {config_file}")
     return model_dir
 
 
@@ -111,6 +111,8 @@ def load_causal_lm(path: str | Path, dtype: str | torch.dtype = "auto", device: 
     from transformers import logging as hf_logging
 
     model_dir = check_model_dir(path, role)
+    for weights in sorted(model_dir.glob("*.safetensors")):  # a truncated file is named, not a library traceback
+        check_safetensors(weights, f"{role} weights file")
     torch_dtype = resolve_dtype(dtype, model_dir)
     try:
         config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
@@ -129,12 +131,18 @@ def load_causal_lm(path: str | Path, dtype: str | torch.dtype = "auto", device: 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()  # a per-tensor bar for a local load is noise
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=torch_dtype, local_files_only=True, attn_implementation="sdpa"
+        # Mismatched shapes are loaded as reinitialised and reported, so that they are refused below by name.
+        model, loading = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch_dtype, local_files_only=True, attn_implementation="sdpa",
+            output_loading_info=True, ignore_mismatched_sizes=True,
         )
+        check_loading(loading, role, path)
         tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    except (OSError, ValueError, RuntimeError) as err:
-        raise SpeculaError(f"cannot load {role} from {path}: {str(err).splitlines()[0]}") from err
+    except SpeculaError:
+        raise
+    except Exception as err:  # torch pickles, tokenizer files and loaders fail in many ways on damaged files
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise SpeculaError(f"cannot load {role} from {path}: {reason}") from err
     finally:
         hf_logging.set_verbosity(verbosity)
         if bars:
@@ -145,6 +153,29 @@ def load_causal_lm(path: str | Path, dtype: str | torch.dtype = "auto", device: 
         raise SpeculaError(f"device '{device}' is not usable: {str(err).splitlines()[0]}") from err
     model.requires_grad_(False)
     return model, tokenizer
+
+
+def check_loading(loading: dict, role: str, path: str | Path) -> None:
+    """Refuse weights that lack a tensor the architecture expects, hold one of another shape, or unknown ones.
+
+    ``loading`` is the loading info of `from_pretrained(output_loading_info=True)`; transformers already
+    leaves out tensors that are legitimately absent (tied weights, ignorable buffers).
+    """
+    problems = []
+    missing = sorted(loading.get("missing_keys") or ())
+    if missing:
+        problems.append(f"{len(missing)} missing tensor{'s' * (len(missing) > 1)} ({', '.join(missing[:3])})")
+    mismatched = sorted(loading.get("mismatched_keys") or (), key=lambda entry: str(entry[0]))
+    if mismatched:
+        name, stored, expected = mismatched[0]
+        problems.append(f"{len(mismatched)} tensor{'s' * (len(mismatched) > 1)} of the wrong shape ({name} is "
+                        f"{tuple(stored)}, the config implies {tuple(expected)})")
+    unexpected = sorted(loading.get("unexpected_keys") or ())
+    if unexpected:
+        problems.append(f"{len(unexpected)} unexpected tensor{'s' * (len(unexpected) > 1)} "
+                        f"({', '.join(unexpected[:3])})")
+    if problems:
+        raise SpeculaError(f"the weights of {role} {path} do not match its config.json: {'; '.join(problems)}")
 
 
 class Target:

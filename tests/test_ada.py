@@ -36,7 +36,7 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 @pytest.fixture(scope="module")
 def head(stories_target) -> EagleHead:
-    return EagleHead.from_pretrained(HEAD).use_lm_head(stories_target.model.get_output_embeddings())
+    return EagleHead.from_pretrained(HEAD)
 
 
 @pytest.fixture(scope="module")

@@ -98,7 +98,7 @@ def test_greedy_output_equals_transformers_generate(method, trained_head_dir):
 
 
 def test_dynamic_tree_keeps_the_most_valuable_connected_nodes(stories_target, trained_head_dir):
-    head = EagleHead.from_pretrained(trained_head_dir).use_lm_head(stories_target.model.get_output_embeddings())
+    head = EagleHead.from_pretrained(trained_head_dir)
     drafter = EagleDrafter(stories_target, head, dynamic=True, total_tokens=12, depth=4, top_k=3)
     prompt = specula.load(STORIES, dtype="float32").encode(STORY_PROMPTS[0])
     out = stories_target.prefill(prompt, drafter.features)
@@ -137,7 +137,7 @@ def test_dynamic_tree_keeps_the_most_valuable_connected_nodes(stories_target, tr
 
 def test_dynamic_tree_rerank_matches_brute_force_selection(stories_target, trained_head_dir):
     """All expanded candidates are scored; the kept ones are exactly the total_tokens best."""
-    head = EagleHead.from_pretrained(trained_head_dir).use_lm_head(stories_target.model.get_output_embeddings())
+    head = EagleHead.from_pretrained(trained_head_dir)
     drafter = EagleDrafter(stories_target, head, dynamic=True, total_tokens=7, depth=3, top_k=3)
     prompt = specula.load(STORIES, dtype="float32").encode(STORY_PROMPTS[3])
     out = stories_target.prefill(prompt, drafter.features)

@@ -37,7 +37,7 @@ def target() -> Target:
 
 
 def pvalues(target: Target, dynamic: bool, acceptor=None) -> tuple[dict[str, float], int]:
-    head = EagleHead.from_pretrained(HEAD).use_lm_head(target.model.get_output_embeddings())
+    head = EagleHead.from_pretrained(HEAD)
     options = {"total_tokens": 6, "depth": 3, "top_k": 2} if dynamic else {"choices": [[0], [1], [0, 0], [0, 1]]}
     drafter = EagleDrafter(target, head, dynamic=dynamic, **options)
     prompt = encode(target, PROMPT)

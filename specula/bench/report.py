@@ -22,6 +22,7 @@ from pathlib import Path
 
 from specula.bench.metrics import calibration_curve
 from specula.bench.runners import is_lossy
+from specula.outputs import atomic_write, atomic_write_text
 
 PLOTS = ("speedup_tau.png", "acceptance_by_depth.png", "calibration.png")
 DEPTH_COLUMNS = 5
@@ -159,7 +160,7 @@ def plot_speedup_tau(results: dict, path: Path) -> None:
     fig.suptitle(f"{results['settings']['target']} ({results['settings']['dtype']}, "
                  f"{results['settings']['threads']} threads)")
     fig.tight_layout(rect=(0, 0.06 if handles else 0, 1, 1))
-    fig.savefig(path, dpi=110)
+    _save_figure(fig, path)
     plt.close(fig)
 
 
@@ -195,7 +196,7 @@ def plot_acceptance_by_depth(results: dict, path: Path) -> None:
                 ax.text(0.02, 0.02, "no per-depth data for: " + ", ".join(missing), transform=ax.transAxes,
                         fontsize=7, color="grey")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    _save_figure(fig, path)
     plt.close(fig)
 
 
@@ -226,15 +227,20 @@ def plot_calibration(results: dict, path: Path) -> None:
             ax.text(0.02, 0.95, "not available for: " + ", ".join(missing) + "\n(their drafts carry no confidences)",
                     transform=ax.transAxes, fontsize=7, color="grey", va="top")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    _save_figure(fig, path)
     plt.close(fig)
 
 
 def write_report(results: dict, out: Path) -> list[Path]:
     out = Path(out)
     written = [out / "results.md"]
-    written[0].write_text(markdown(results), encoding="utf-8")
+    atomic_write_text(written[0], markdown(results))
     for name, plot in zip(PLOTS, (plot_speedup_tau, plot_acceptance_by_depth, plot_calibration), strict=True):
         plot(results, out / name)
         written.append(out / name)
     return written
+
+
+def _save_figure(fig, path: Path) -> None:
+    """Write a figure atomically (the format follows ``path``'s suffix, not the temporary file's)."""
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, format=Path(path).suffix.lstrip(".") or "png"))

@@ -35,6 +35,7 @@ from specula.bench.config import MethodSpec
 from specula.bench.metrics import add_counts, aggregate, merge_calibration, repetition
 from specula.bench.questions import Question
 from specula.errors import SpeculaError
+from specula.outputs import atomic_write_text
 from specula.sampling import SamplingParams
 
 RESULTS_VERSION = 1
@@ -86,6 +87,9 @@ def read_results(out: Path) -> dict | None:
         raise SpeculaError(f"cannot resume from {path}: {err} (move it away to start over)") from err
     if not isinstance(data, dict) or not isinstance(data.get("records"), list):
         raise SpeculaError(f"cannot resume from {path}: it has no 'records' list (move it away to start over)")
+    if not all(isinstance(r, dict) for r in data["records"]) or not isinstance(data.get("settings", {}), dict):
+        raise SpeculaError(f"cannot resume from {path}: its records or settings are not JSON objects "
+                           "(move it away to start over)")
     return data
 
 
@@ -103,9 +107,7 @@ def dumps_results(data: dict) -> str:
 
 def write_json(path: Path, data: dict) -> None:
     """Write atomically, so an interrupted run never leaves a truncated results.json."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(dumps_results(data), encoding="utf-8")
-    tmp.replace(path)
+    atomic_write_text(path, dumps_results(data))
 
 
 def record_key(record: dict) -> tuple[str, str, float]:

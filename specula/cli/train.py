@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +22,7 @@ from specula.heads.eagle_head import EagleHead
 from specula.heads.ldlp import head_fingerprint
 from specula.heads.medusa_head import MedusaHeads
 from specula.methods import DEFAULT_TARGET
+from specula.outputs import prepare_output_dir
 from specula.target import FeatureRequest, Target, check_model_dir
 from specula.training.data import OnlineFeatures, prepare_samples, read_records
 from specula.training.eagle3_trainer import DEFAULT_STEPS, Eagle3TrainOptions, feature_request, train_eagle3
@@ -74,16 +76,20 @@ def training_inputs(args: argparse.Namespace, request):
 
     if not args.data.is_file():
         raise SpeculaError(f"data file not found: {args.data}")
-    target = Target.load(args.target, dtype=args.dtype, device=args.device)
+    # Settings and --out are checked before the target loads and regenerates data, which can take minutes.
+    config = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
+                         grad_clip=args.grad_clip, save_every=args.save_every, seed=args.seed,
+                         mixed_precision=args.mixed_precision)
     options = DataOptions(data=args.data, cache_dir=args.cache_dir, regenerate=not args.no_regenerate,
                           max_new_tokens=args.gen_max_new_tokens, temperature=args.gen_temperature,
                           batch_size=args.gen_batch_size, eval_samples=args.eval_samples, seed=args.seed,
                           train_samples=args.train_samples, max_prompt_context=args.max_prompt_context)
+    kind = f"train {args.trainer}"
+    prepare_output_dir(args.out, kind, args.resume, create=False)
+    target = Target.load(args.target, dtype=args.dtype, device=args.device)
+    prepare_output_dir(args.out, kind, args.resume)
     train_set, eval_set = feature_sets(target, options, request, log=lambda message: print(message,
                                                                                            file=sys.stderr))
-    config = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
-                         grad_clip=args.grad_clip, save_every=args.save_every, seed=args.seed,
-                         mixed_precision=args.mixed_precision)
     return target, train_set, eval_set, config
 
 
@@ -243,8 +249,8 @@ def add_train_ldlp_parser(trainers: argparse._SubParsersAction) -> None:
 
 def run_train_ldlp(args: argparse.Namespace) -> int:
 
-    if args.penalty < 1.0:
-        raise SpeculaError(f"--penalty must be >= 1, got {args.penalty}")
+    if not (math.isfinite(args.penalty) and args.penalty >= 1.0):
+        raise SpeculaError(f"--penalty must be a finite number >= 1, got {args.penalty}")
     # Check the head before regenerating data, which can take far longer than a wrong path deserves.
     if not args.draft.is_dir():
         raise SpeculaError(f"EAGLE head directory not found: {args.draft}")

@@ -90,7 +90,6 @@ def build_ada_drafter(target: Target, draft: str | None, ldlp: str | Path | None
         raise SpeculaError(f"no LDLP at {ldlp_dir}: method ada needs --ldlp DIR (or HEAD_DIR/{LDLP_SUBDIR}), "
                            "trained with `specula train ldlp` for this head")
     head = EagleHead.from_pretrained(draft, dtype=target.dtype, device=target.device)
-    head.use_lm_head(target.model.get_output_embeddings())
     predictor = LengthPredictor.from_pretrained(ldlp_dir, dtype=target.dtype, device=target.device)
     predictor.check_fits(target.config.hidden_size, target.vocab_size, head_fingerprint(draft))
     return AdaDrafter(target, head, predictor, tree=tree, **options)

@@ -32,6 +32,7 @@ def chain_labels(head: DraftHead, target: Target, sample: dict[str, torch.Tensor
     """
     device = target.device
     embed = target.model.get_input_embeddings()
+    head.attach(target)
     dtype = next(head.parameters()).dtype
     ids = sample["input_ids"].to(device)
     response = sample["loss_mask"].bool().to(device)

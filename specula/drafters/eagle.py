@@ -77,7 +77,7 @@ class EagleDrafter:
             raise SpeculaError(f"EAGLE head vocabulary {head_vocab} does not fit the target's {target.vocab_size}")
         self.name = name or ("eagle2" if dynamic else "eagle")
         self.target = target
-        self.head = head.to(device=target.device, dtype=target.dtype)
+        self.head = head.to(device=target.device, dtype=target.dtype).attach(target)
         self.features = head.feature_request()
         self.embed = target.model.get_input_embeddings()
         self.dynamic = dynamic

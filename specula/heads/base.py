@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 
 from specula.static_cache import StaticKVCache
-from specula.target import FeatureRequest, ForwardOutput
+from specula.target import FeatureRequest, ForwardOutput, Target
 
 
 class DraftHead(Protocol):
@@ -25,6 +25,10 @@ class DraftHead(Protocol):
     """
 
     hidden_size: int
+
+    def attach(self, target: Target) -> DraftHead:
+        """Bind the target modules the head reads but does not store (EAGLE: the LM head) and check that
+        the head fits the target. Drivers call it once before drafting; returns the head."""
 
     def feature_request(self) -> FeatureRequest:
         """Which hidden states the head reads from every target forward."""

@@ -2,34 +2,25 @@
 
 Every head kind (EAGLE, EAGLE-3, Medusa, LDLP) stores `config.json` beside its
 tensors and refuses a checkpoint whose tensors disagree with its config with
-one clear SpeculaError, instead of a shape error from deep inside torch.
+one clear SpeculaError, instead of a shape error from deep inside torch; a
+config of the wrong JSON type and a truncated weights file are refused by name.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from torch import nn
 
 from specula.errors import SpeculaError
+from specula.outputs import atomic_write
+from specula.readers import check_fields, expect_object, load_safetensors, load_torch
 
-
-def atomic_write(path: Path, write: Callable[[str], None]) -> None:
-    """Call ``write(tmp)`` on a temporary file beside ``path``, then rename it over ``path``."""
-    handle, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    os.close(handle)
-    try:
-        write(tmp)
-        os.chmod(tmp, 0o644)  # mkstemp makes files private; checkpoints are meant to be shared
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+Module = TypeVar("Module", bound=nn.Module)
 
 
 def save_checkpoint(directory: str | Path, state: dict[str, torch.Tensor], config: dict) -> None:
@@ -49,9 +40,19 @@ def read_config(directory: Path, what: str, hint: str = "") -> dict:
     if not config_file.is_file():
         raise SpeculaError(f"{what} directory {directory} has no config.json{hint}")
     try:
-        return json.loads(config_file.read_text())
-    except (OSError, json.JSONDecodeError) as err:
+        config = json.loads(config_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise SpeculaError(f"{what} config {config_file} is not valid JSON: {err}") from err
+    where = f"{what} config {config_file}"
+    return check_fields(expect_object(config, where), where)
+
+
+def build_module(cls: Callable[[dict], Module], config: dict, what: str) -> Module:
+    """``cls(config)``, with a config that type-checks but still cannot build the module refused by name."""
+    try:
+        return cls(config)
+    except (TypeError, ValueError, KeyError, RuntimeError, ZeroDivisionError, AttributeError) as err:
+        raise SpeculaError(f"{what}: its config.json does not describe a valid head ({err})") from err
 
 
 def save_module(module: nn.Module, directory: str | Path, config: dict, dtype: torch.dtype) -> None:
@@ -63,11 +64,12 @@ def save_module(module: nn.Module, directory: str | Path, config: dict, dtype: t
 def load_state_dict(directory: Path) -> dict[str, torch.Tensor]:
     """Tensors from model.safetensors or pytorch_model.bin in ``directory``."""
     if (directory / "model.safetensors").is_file():
-        from safetensors.torch import load_file
-
-        return load_file(str(directory / "model.safetensors"))
+        return load_safetensors(directory / "model.safetensors", "head weights")
     if (directory / "pytorch_model.bin").is_file():
-        return torch.load(directory / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        state = load_torch(directory / "pytorch_model.bin", "head weights")
+        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+            raise SpeculaError(f"{directory / 'pytorch_model.bin'} is not a state dict of tensors")
+        return state
     raise SpeculaError(f"{directory} holds neither model.safetensors nor pytorch_model.bin")
 
 
@@ -85,4 +87,8 @@ def load_checked(module: nn.Module, state: dict[str, torch.Tensor], what: str) -
         if expected[name].shape != tensor.shape:
             raise SpeculaError(f"{what}: tensor {name} has shape {tuple(tensor.shape)}, its config implies "
                                f"{tuple(expected[name].shape)}")
+        # load_state_dict would silently cast integer tensors into float weights (and back).
+        if expected[name].dtype.is_floating_point != tensor.dtype.is_floating_point:
+            raise SpeculaError(f"{what}: tensor {name} is stored as {str(tensor.dtype).removeprefix('torch.')}, "
+                               f"the head needs {str(expected[name].dtype).removeprefix('torch.')}")
     module.load_state_dict(state, strict=False)

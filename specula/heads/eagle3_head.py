@@ -39,10 +39,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from specula.errors import SpeculaError
-from specula.heads.checkpoint import load_checked, load_state_dict, read_config, save_module
+from specula.heads.checkpoint import build_module, load_checked, load_state_dict, read_config, save_module
 from specula.heads.eagle_head import CONFIG_KEYS, llama_config
 from specula.static_cache import StaticKVCache, decoder_layer_step, rotary_function
-from specula.target import FeatureRequest, ForwardOutput
+from specula.target import FeatureRequest, ForwardOutput, Target
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 
@@ -189,6 +189,13 @@ class Eagle3Head(nn.Module):
 
     # ---------------------------------------------------------------- the DraftHead interface (heads/base.py)
 
+    def attach(self, target: Target) -> Eagle3Head:
+        """EAGLE-3 drafts through its own LM head; only the vocabulary it maps into must be the target's."""
+        if self.vocab_size != target.vocab_size:
+            raise SpeculaError(f"EAGLE-3 head vocabulary {self.vocab_size} does not fit the target's "
+                               f"{target.vocab_size}")
+        return self
+
     def new_cache(self, capacity: int) -> StaticKVCache:
         attn = self.midlayer.self_attn
         param = self.fc.weight
@@ -276,8 +283,9 @@ class Eagle3Head(nn.Module):
         if num_target_layers and not eagle_config.get("target_num_hidden_layers"):
             eagle_config["target_num_hidden_layers"] = num_target_layers
         config["eagle_config"] = eagle_config
-        config.setdefault("draft_vocab_size", state["lm_head.weight"].shape[0])
-        head = cls(config)
+        if "lm_head.weight" in state:
+            config.setdefault("draft_vocab_size", state["lm_head.weight"].shape[0])
+        head = build_module(cls, config, f"EAGLE-3 head in {directory}")
         load_checked(head, state, f"EAGLE-3 head in {directory}")
         if head.d2t is not None:
             mapped = torch.arange(head.draft_vocab_size) + head.d2t

@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specula.heads.checkpoint import load_checked, load_state_dict, read_config, save_module
+from specula.heads.checkpoint import build_module, load_checked, load_state_dict, read_config, save_module
 from specula.static_cache import StaticKVCache, decoder_layer_step, rotary_function
-from specula.target import FeatureRequest, ForwardOutput
+from specula.target import FeatureRequest, ForwardOutput, Target
 
 CONFIG_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
                "num_hidden_layers", "rms_norm_eps", "rope_theta", "vocab_size", "max_position_embeddings",
@@ -110,17 +110,17 @@ class EagleHead(nn.Module):
         """The head's input features [.., T, H] of a cached training sample or batch."""
         return sample["hidden"]
 
-    def use_lm_head(self, lm_head: nn.Module) -> EagleHead:
+    def attach(self, target: Target) -> EagleHead:
         """Read tokens through the target's (frozen) LM head, which the head shares and does not store."""
         # A weak reference, not a submodule: never saved, moved, trained or deep-copied with the head.
-        object.__setattr__(self, "_lm_head", weakref.ref(lm_head))
+        object.__setattr__(self, "_lm_head", weakref.ref(target.model.get_output_embeddings()))
         return self
 
     def token_log_probs(self, predicted: torch.Tensor) -> torch.Tensor:
         """Log-probabilities [n, V] over the target vocabulary from predicted features [n, H]."""
         lm_head = self.__dict__["_lm_head"]() if "_lm_head" in self.__dict__ else None
         if lm_head is None:
-            raise RuntimeError("EagleHead.use_lm_head(target's LM head) must be called before drafting")
+            raise RuntimeError("EagleHead.attach(target) must be called before drafting")
         return torch.log_softmax(lm_head(predicted.to(lm_head.weight.dtype)).float(), dim=-1)
 
     @torch.no_grad()
@@ -152,9 +152,10 @@ class EagleHead(nn.Module):
         state = load_state_dict(directory)
         state = {k: v for k, v in state.items() if not k.startswith(("embed_tokens.", "lm_head."))}
         if "num_hidden_layers" not in config:
-            config["num_hidden_layers"] = 1 + max(int(k.split(".")[1]) for k in state if k.startswith("layers."))
+            config["num_hidden_layers"] = 1 + max((int(k.split(".")[1]) for k in state if k.startswith("layers.")),
+                                                  default=0)
         config.setdefault("bias", "fc.bias" in state)
-        head = cls(config)
+        head = build_module(cls, config, f"EAGLE head in {directory}")
         load_checked(head, state, f"EAGLE head in {directory}")
         return head.to(device=device, dtype=dtype or state["fc.weight"].dtype).eval()
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specula.errors import SpeculaError
-from specula.heads.checkpoint import load_checked, load_state_dict, read_config, save_module
+from specula.heads.checkpoint import build_module, load_checked, load_state_dict, read_config, save_module
 
 MODEL_TYPE = "specula-ldlp"
 CONFIG_KEYS = ("hidden_size", "embedding_size", "intermediate_size", "max_draft_length", "vocab_size")
@@ -79,7 +79,7 @@ class LengthPredictor(nn.Module):
         if config.get("model_type") != MODEL_TYPE:
             raise SpeculaError(f"{directory} is not an LDLP (model_type {config.get('model_type')!r}, "
                                f"expected {MODEL_TYPE!r})")
-        predictor = cls(config)
+        predictor = build_module(cls, config, f"LDLP in {directory}")
         state = load_state_dict(directory)
         load_checked(predictor, state, f"LDLP in {directory}")
         return predictor.to(device=device, dtype=dtype or state["layers.0.weight"].dtype).eval()

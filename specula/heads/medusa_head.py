@@ -41,7 +41,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from specula.errors import SpeculaError
-from specula.heads.checkpoint import atomic_write
+from specula.outputs import atomic_write
+from specula.readers import check_fields, load_safetensors, load_torch
 
 WEIGHT_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt", "model.safetensors")
 PREFIX = "medusa_head."
@@ -170,7 +171,7 @@ def _read_config(directory: Path) -> dict:
         raise SpeculaError(f"Medusa config {file} is not valid JSON: {err}") from err
     if not isinstance(config, dict):
         raise SpeculaError(f"Medusa config {file} is not a JSON object")
-    return config
+    return check_fields(config, f"Medusa config {file}")
 
 
 def _read_weights(directory: Path) -> tuple[dict[str, torch.Tensor], Path]:
@@ -178,18 +179,16 @@ def _read_weights(directory: Path) -> tuple[dict[str, torch.Tensor], Path]:
     file = next((directory / name for name in WEIGHT_FILES if (directory / name).is_file()), None)
     if file is None:
         raise SpeculaError(f"{directory} holds no Medusa weights (looked for {', '.join(WEIGHT_FILES)})")
-    try:
-        if file.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
-            state = load_file(str(file))
-        else:
-            state = torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as err:  # corrupt files raise anything from pickle, zip or safetensors
-        raise SpeculaError(f"cannot read Medusa weights {file}: {str(err).splitlines()[0] if str(err) else err}"
-                           ) from err
+    if file.suffix == ".safetensors":
+        state = load_safetensors(file, "Medusa weights")
+    else:
+        state = load_torch(file, "Medusa weights")
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise SpeculaError(f"{file} is not a state dict of tensors")
+    integral = sorted(k for k, v in state.items() if not v.dtype.is_floating_point)
+    if integral:  # load_state_dict would cast them into the float weights silently
+        raise SpeculaError(f"{file}: Medusa tensor {integral[0]} is stored as "
+                           f"{str(state[integral[0]].dtype).removeprefix('torch.')}, not as floating point")
     if any(k.startswith(PREFIX) for k in state):
         state = {k[len(PREFIX):]: v for k, v in state.items() if k.startswith(PREFIX)}
     return state, file

@@ -47,7 +47,6 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -57,6 +56,8 @@ import torch
 
 from specula.errors import SpeculaError
 from specula.jsonl import json_lines
+from specula.outputs import atomic_write, atomic_write_text
+from specula.readers import check_safetensors, load_torch, open_safetensors
 from specula.target import FeatureRequest, Target
 
 ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
@@ -267,8 +268,8 @@ def regenerate(target: Target, records: Sequence[TrainingRecord], max_new_tokens
     """
     if max_new_tokens < 1:
         raise SpeculaError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if not temperature >= 0.0:
-        raise SpeculaError(f"temperature must be >= 0, got {temperature}")
+    if not 0.0 <= temperature < float("inf"):
+        raise SpeculaError(f"temperature must be a finite number >= 0, got {temperature}")
     if batch_size < 1:
         raise SpeculaError(f"batch size must be >= 1, got {batch_size}")
     prompt_limit = min(max_prompt_tokens, target.max_length - max_new_tokens)
@@ -503,19 +504,13 @@ def save_samples(samples: Sequence[TrainingSample], path: str | Path, fingerprin
         "loss_mask": torch.cat([s.loss_mask for s in samples]) if samples else torch.zeros(0, dtype=torch.bool),
         "offsets": torch.tensor([0, *torch.tensor(lengths, dtype=torch.long).cumsum(0).tolist()], dtype=torch.long),
     }
-    path = Path(path)
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    torch.save(payload, tmp)
-    os.replace(tmp, path)
+    atomic_write(path, lambda tmp: torch.save(payload, tmp))
 
 
 def load_samples(path: str | Path, fingerprint: str | None = None, components: dict | None = None,
                  ) -> list[TrainingSample]:
     """Samples written by `save_samples`; with ``fingerprint``, refuse a file made for something else."""
-    try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # truncated or foreign file
-        raise SpeculaError(f"cannot read training samples from {path}: {err}") from err
+    payload = load_torch(path, "training samples file")
     if not isinstance(payload, dict) or payload.get("format") != "specula-samples":
         raise SpeculaError(f"{path} is not a specula samples file")
     if fingerprint is not None and payload["fingerprint"] != fingerprint:
@@ -573,7 +568,7 @@ def cache_features(target: Target, samples: Sequence[TrainingSample], cache_dir:
             "shards": shards, "complete": False,
         }
         _write_atomic(manifest_path, json.dumps(manifest, indent=1))
-    todo = [shard for shard in shards if not (directory / shard["file"]).is_file()]
+    todo = [shard for shard in shards if not _whole_shard(directory / shard["file"], log)]
     if log and len(todo) < len(shards):
         log(f"feature cache {directory}: {len(shards) - len(todo)} of {len(shards)} shards done, "
             f"computing {len(todo)}")
@@ -602,11 +597,9 @@ def cache_features(target: Target, samples: Sequence[TrainingSample], cache_dir:
             tensors["hidden"] = torch.cat(hidden)
         if layers:
             tensors["layer_inputs"] = torch.cat(layers)
-        final = directory / shard["file"]
-        tmp = final.with_name(f"{final.name}.tmp{os.getpid()}")
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
-                  metadata={"first": str(shard["first"]), "count": str(shard["count"])})
-        os.replace(tmp, final)
+        tensors = {k: v.contiguous() for k, v in tensors.items()}
+        metadata = {"first": str(shard["first"]), "count": str(shard["count"])}
+        atomic_write(directory / shard["file"], lambda tmp, t=tensors, m=metadata: save_file(t, tmp, metadata=m))
     bar.close()
     target.reset()
     if not manifest["complete"]:
@@ -660,13 +653,16 @@ class CachedFeatures:
 
     def _shard(self, k: int):
         if k not in self._open:
-            from safetensors import safe_open
-
             path = self.directory / self.shards[k]["file"]
             if not path.is_file():
                 raise SpeculaError(f"feature shard {path} is missing; run the caching again to rebuild it")
-            handle = safe_open(str(path), framework="pt")
-            self._open[k] = (handle, handle.get_tensor("offsets").tolist())
+            handle = open_safetensors(path, "feature shard")
+            try:
+                offsets = handle.get_tensor("offsets").tolist()
+            except Exception as err:  # a shard of another layout
+                raise SpeculaError(f"feature shard {path} has no readable offsets ({err}); delete it and run "
+                                   "the caching again to rebuild it") from err
+            self._open[k] = (handle, offsets)
         return self._open[k]
 
     def __getstate__(self):  # picklable for DataLoader workers: file handles are reopened there
@@ -715,9 +711,9 @@ def _read_manifest(directory: Path) -> dict:
         raise SpeculaError(f"{directory} holds no feature cache (no {MANIFEST_FILE})")
     try:
         manifest = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise SpeculaError(f"the feature cache manifest {path} cannot be read: {err}") from err
-    if manifest.get("format") != "specula-features":
+    if not isinstance(manifest, dict) or manifest.get("format") != "specula-features":
         raise SpeculaError(f"{path} is not a specula feature cache manifest")
     return manifest
 
@@ -784,6 +780,17 @@ def _mismatch(what: str, directory: Path, stored: dict, wanted: dict) -> Specula
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    atomic_write_text(path, text)
+
+
+def _whole_shard(path: Path, log: Log | None) -> bool:
+    """Whether a shard is on disk and intact; a damaged one (truncated by hand, a bad disk) is recomputed."""
+    if not path.is_file():
+        return False
+    try:
+        check_safetensors(path, "feature shard")
+    except SpeculaError as err:
+        if log:
+            log(f"{err}: computing it again")
+        return False
+    return True

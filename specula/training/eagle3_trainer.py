@@ -134,4 +134,4 @@ def train_eagle3(target: Target, train_set, eval_set, out: Path, config: TrainCo
     keys = ("input_ids", "loss_mask", "hidden") + (("layer_inputs",) if head.feature_request().layer_inputs else ())
     return run_training(head, train_set, eagle3_loss(target, options.steps), config, out,
                         save_head=lambda model, directory: model.save_pretrained(directory), keys=keys,
-                        resume=resume, evaluate=evaluate if len(eval_set) else None, log=log)
+                        resume=resume, evaluate=evaluate if len(eval_set) else None, log=log, kind="train eagle3")

@@ -84,7 +84,6 @@ def train_eagle(target: Target, train_set, eval_set, out: Path, config: TrainCon
     """Train a fresh EAGLE head for ``target`` on cached feature samples; writes it to ``out``."""
     torch.manual_seed(config.seed)
     head = EagleHead.for_target(target.config, num_layers=options.num_layers).float().to(target.device)
-    head.use_lm_head(target.model.get_output_embeddings())
 
     def evaluate(model: EagleHead, epoch: int) -> dict:
         subset = [eval_set[i] for i in range(min(len(eval_set), options.eval_samples))]
@@ -96,4 +95,4 @@ def train_eagle(target: Target, train_set, eval_set, out: Path, config: TrainCon
     return run_training(head, train_set, eagle_loss(target), config, out,
                         save_head=lambda model, directory: model.save_pretrained(directory),
                         keys=("input_ids", "loss_mask", "hidden"), resume=resume,
-                        evaluate=evaluate if len(eval_set) else None, log=log)
+                        evaluate=evaluate if len(eval_set) else None, log=log, kind="train eagle")

@@ -23,14 +23,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
 from specula.drafters.chain import chain_labels
+from specula.errors import SpeculaError
 from specula.heads.base import DraftHead
+from specula.outputs import atomic_write
+from specula.readers import load_torch
 from specula.target import Target
 from specula.training.data import target_fingerprint
 
@@ -57,7 +59,9 @@ def label_features(head: DraftHead, target: Target, features, max_length: int, d
     if directory is not None:
         path = Path(directory) / f"ldlp-labels-{_key(features, target, max_length, head_key)}.pt"
         if path.is_file():
-            stored = torch.load(path, map_location="cpu", weights_only=True)
+            stored = load_torch(path, "LDLP labels file")
+            if not isinstance(stored, dict) or not {"labels", "censored"} <= set(stored):
+                raise SpeculaError(f"LDLP labels file {path} holds no labels; delete it to label again")
             log(f"reusing LDLP labels of {len(features)} samples from {path}")
             return LabelledFeatures(features, list(stored["labels"]), list(stored["censored"]))
     head = head.eval()
@@ -68,9 +72,7 @@ def label_features(head: DraftHead, target: Target, features, max_length: int, d
         censored.append(cut)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-        torch.save({"labels": labels, "censored": censored}, tmp)
-        os.replace(tmp, path)
+        atomic_write(path, lambda tmp: torch.save({"labels": labels, "censored": censored}, tmp))
     return LabelledFeatures(features, labels, censored)
 
 

@@ -26,16 +26,16 @@ weights; everything else (batching, Accelerate, checkpoints, exact resume) is
 
 from __future__ import annotations
 
-import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from specula.errors import SpeculaError
-from specula.heads.checkpoint import atomic_write
 from specula.heads.eagle_head import EagleHead
 from specula.heads.ldlp import LengthPredictor
+from specula.outputs import atomic_write_json, prepare_output_dir
 from specula.target import Target
 from specula.training.ldlp_data import LabelledFeatures, label_features
 from specula.training.loop import TrainConfig, run_training
@@ -147,6 +147,11 @@ class LdlpTrainOptions:
     intermediate_size: int = 256
     penalty: float = PENALTY
 
+    def __post_init__(self) -> None:
+        if not (isinstance(self.penalty, (int, float)) and math.isfinite(self.penalty) and self.penalty >= 1.0):
+            raise SpeculaError(f"the under-prediction penalty (--penalty) must be a finite number >= 1, "
+                               f"got {self.penalty!r}")
+
 
 def train_ldlp(target: Target, head: EagleHead, head_key: str, train_set, eval_set, out: Path, config: TrainConfig,
                options: LdlpTrainOptions = LdlpTrainOptions(), labels_dir: Path | None = None,
@@ -161,8 +166,8 @@ def train_ldlp(target: Target, head: EagleHead, head_key: str, train_set, eval_s
     if head.hidden_size != target.config.hidden_size:
         raise SpeculaError(f"EAGLE head hidden size {head.hidden_size} does not fit the target's "
                            f"{target.config.hidden_size}")
+    prepare_output_dir(out, "train ldlp", resume)  # the labels may go there before training starts
     head = head.to(device=target.device, dtype=target.dtype).eval()
-    head.use_lm_head(target.model.get_output_embeddings())
     train = label_features(head, target, train_set, options.max_draft_length, labels_dir, head_key,
                            "label train", log)
     held_out = label_features(head, target, eval_set, options.max_draft_length, labels_dir, head_key,
@@ -181,10 +186,11 @@ def train_ldlp(target: Target, head: EagleHead, head_key: str, train_set, eval_s
 
     run_training(predictor, train, ldlp_loss(target, options.penalty), config, out,
                  save_head=lambda model, directory: model.save_pretrained(directory), keys=KEYS, resume=resume,
-                 evaluate=evaluate if len(held_out) else None, log=log)
+                 evaluate=evaluate if len(held_out) else None, log=log,
+                 kind="train ldlp")
     if not len(held_out):
         return {}
     trained = LengthPredictor.from_pretrained(out, dtype=torch.float32, device=target.device)
     report = compare_lengths(trained, target, held_out)
-    atomic_write(out / "evaluation.json", lambda tmp: Path(tmp).write_text(json.dumps(report, indent=1)))
+    atomic_write_json(out / "evaluation.json", report)
     return report

@@ -9,14 +9,18 @@ interrupted run ends with the same weights as an uninterrupted one.
 Resume is exact because everything random is derived from (seed, epoch, step):
 the sample order of an epoch is a seeded permutation, and the noise of a
 sample is seeded from (seed, step, its place in the global batch).
+
+Garbage is refused: settings that are not finite (or a clipping threshold <= 0)
+are rejected when the `TrainConfig` is made, and a step whose loss, gradient or
+updated weights are not finite stops training with a SpeculaError before
+anything of it is saved, so the last checkpoint on disk is always a good one.
+Ctrl-C says which checkpoint was kept and how to continue, then propagates.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -26,6 +30,10 @@ import torch
 from torch import nn
 
 from specula.errors import SpeculaError
+from specula.outputs import atomic_replace_dir, atomic_write_json, prepare_output_dir
+from specula.readers import load_torch
+
+MIXED_PRECISION = ("auto", "no", "bf16", "fp16")
 
 
 @dataclass
@@ -39,6 +47,37 @@ class TrainConfig:
     save_every: int = 200
     seed: int = 0
     mixed_precision: str = "auto"  # auto: bf16 on CUDA, none on CPU (where bf16 matmuls are emulated here)
+
+    def __post_init__(self) -> None:
+        """Refuse settings that can only train garbage (NaN weights, gradient ascent) before any work starts."""
+        for name in ("epochs", "batch_size", "save_every"):
+            _whole(name, getattr(self, name), 1)
+        _whole("warmup_steps", self.warmup_steps, 0)
+        _whole("seed", self.seed, None)
+        _finite_setting("lr", self.lr, "> 0", lambda v: v > 0)
+        # A clipping threshold <= 0 would reverse (ascend) or zero every gradient.
+        _finite_setting("grad_clip", self.grad_clip, "> 0", lambda v: v > 0)
+        _finite_setting("weight_decay", self.weight_decay, ">= 0", lambda v: v >= 0)
+        if self.mixed_precision not in MIXED_PRECISION:
+            raise SpeculaError(f"mixed_precision must be one of {', '.join(MIXED_PRECISION)}, "
+                               f"got {self.mixed_precision!r}")
+
+
+def _whole(name: str, value, least: int | None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or (least is not None and value < least):
+        bound = f" >= {least}" if least is not None else ""
+        raise SpeculaError(f"training setting {name} (--{name.replace('_', '-')}) must be a whole number{bound}, "
+                           f"got {value!r}")
+
+
+def _finite_setting(name: str, value, bound: str, ok: Callable[[float], bool]) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
+        raise SpeculaError(f"training setting {name} (--{name.replace('_', '-')}) must be a finite number {bound}, "
+                           f"got {value!r}")
+
+
+class TrainingDiverged(SpeculaError):
+    """A step produced a non-finite loss, gradient or weights; nothing of it was saved."""
 
 
 def pad_batch(samples: list[dict], keys: tuple[str, ...]) -> dict[str, torch.Tensor]:
@@ -84,21 +123,28 @@ class Checkpointer:
         self.path = out / "checkpoint"
 
     def save(self, head: nn.Module, state: dict, save_head: Callable[[nn.Module, Path], None]) -> None:
-        staging = self.out / ".checkpoint.tmp"
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-        save_head(head, staging)
-        torch.save(state, staging / "trainer_state.pt")
-        old = self.out / ".checkpoint.old"
-        shutil.rmtree(old, ignore_errors=True)
-        if self.path.exists():
-            os.replace(self.path, old)
-        os.replace(staging, self.path)
-        shutil.rmtree(old, ignore_errors=True)
+        def fill(staging: Path) -> None:
+            save_head(head, staging)
+            torch.save(state, staging / "trainer_state.pt")
+
+        atomic_replace_dir(self.path, fill)
 
     def load_state(self) -> dict | None:
         file = self.path / "trainer_state.pt"
-        return torch.load(file, map_location="cpu", weights_only=False) if file.is_file() else None
+        if not file.is_file():
+            # Interrupted between the two renames of `atomic_replace_dir`: the previous checkpoint is whole there.
+            file = self.path.with_name(f".{self.path.name}.old") / "trainer_state.pt"
+            if not file.is_file():
+                return None
+        hint = "; delete that checkpoint directory to start over, or use another --out"
+        try:
+            state = load_torch(file, "training checkpoint")
+        except SpeculaError as err:
+            raise SpeculaError(f"{err}{hint}") from err
+        wanted = {"step", "config", "history", "head", "optimizer", "scheduler"}
+        if not isinstance(state, dict) or not wanted <= set(state) or not isinstance(state["step"], int):
+            raise SpeculaError(f"training checkpoint {file} is not a specula trainer state{hint}")
+        return state
 
 
 def lr_lambda(warmup: int, total: int) -> Callable[[int], float]:
@@ -114,11 +160,13 @@ def lr_lambda(warmup: int, total: int) -> Callable[[int], float]:
 def run_training(head: nn.Module, dataset, loss_fn: Callable, config: TrainConfig, out: Path,
                  save_head: Callable[[nn.Module, Path], None], keys: tuple[str, ...], resume: bool = False,
                  evaluate: Callable[[nn.Module, int], dict] | None = None, log: Callable[[str], None] = print,
+                 kind: str = "train",
                  ) -> list[dict]:
     """Train ``head`` on ``dataset`` (items: dicts of per-token tensors named ``keys``).
 
     loss_fn(head, batch) -> (loss_sum, token_count, metrics): a sum over the batch's
     loss tokens, so that the loop can normalise by the token count of the whole global batch.
+    ``kind`` names the command in the output directory's marker (`specula.outputs`).
     Returns the history of logged records (one per step, plus evaluations).
     """
     from accelerate import Accelerator
@@ -136,7 +184,8 @@ def run_training(head: nn.Module, dataset, loss_fn: Callable, config: TrainConfi
     if steps_per_epoch == 0:
         raise SpeculaError(f"{len(dataset)} training samples are fewer than one batch of {config.batch_size}")
     total_steps = steps_per_epoch * config.epochs
-    out.mkdir(parents=True, exist_ok=True)
+    if accelerator.is_main_process:
+        prepare_output_dir(out, kind, resume)
 
     optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config.warmup_steps, total_steps))
@@ -156,8 +205,12 @@ def run_training(head: nn.Module, dataset, loss_fn: Callable, config: TrainConfi
             except RuntimeError as err:
                 raise SpeculaError(f"the checkpoint in {checkpointer.path} holds a head of another shape "
                                    f"({str(err).splitlines()[-1].strip()}); start a new --out") from err
-            optimizer.load_state_dict(state["optimizer"])
-            scheduler.load_state_dict(state["scheduler"])
+            try:
+                optimizer.load_state_dict(state["optimizer"])
+                scheduler.load_state_dict(state["scheduler"])
+            except (ValueError, KeyError, TypeError, RuntimeError) as err:
+                raise SpeculaError(f"the optimiser state in {checkpointer.path} does not fit this head ({err}); "
+                                   "start a new --out") from err
             step, history = state["step"], state["history"]
             log(f"resumed from step {step} of {total_steps}")
     model, optimizer = accelerator.prepare(head, optimizer)
@@ -165,50 +218,82 @@ def run_training(head: nn.Module, dataset, loss_fn: Callable, config: TrainConfi
     progress = tqdm(total=total_steps, initial=step, desc="train", disable=not accelerator.is_main_process,
                     dynamic_ncols=True)
     started, tokens_seen = time.perf_counter(), 0
-    while step < total_steps:
-        epoch, index = divmod(step, steps_per_epoch)
-        order = epoch_order(len(dataset), config.seed, epoch)
-        first = index * config.batch_size + rank * per_process
-        batch = pad_batch([dataset[i] for i in order[first:first + per_process]], keys)
-        global_rows = torch.arange(first - index * config.batch_size, first - index * config.batch_size + per_process)
-        batch["noise_seed"] = (config.seed * 1_000_003 + step) * 4096 + global_rows
-        batch = {k: v.to(accelerator.device) for k, v in batch.items()}
-        model.train()
-        with accelerator.autocast():
-            loss_sum, count, metrics = loss_fn(model, batch)
-        # Normalise by the tokens of the global batch, so the gradient is the same for any process count.
-        global_count = accelerator.reduce(torch.tensor(float(count), device=accelerator.device), "sum")
-        loss = loss_sum * world / global_count.clamp(min=1.0)
-        optimizer.zero_grad(set_to_none=True)
-        accelerator.backward(loss)
-        accelerator.clip_grad_norm_(model.parameters(), config.grad_clip)
-        optimizer.step()
-        scheduler.step()
-        step += 1
-        tokens_seen += int(global_count)
-        reported = accelerator.reduce(loss.detach() / world, "sum").item()
-        record = {"step": step, "epoch": epoch, "loss": reported, "lr": scheduler.get_last_lr()[0],
-                  **{k: float(accelerator.reduce(v.detach(), "mean")) for k, v in metrics.items()}}
-        history.append(record)
-        rate = tokens_seen / (time.perf_counter() - started)
-        progress.set_postfix(loss=f"{reported:.4f}", tok_s=f"{rate:.0f}")
-        progress.update(1)
-        epoch_done = step % steps_per_epoch == 0
-        if evaluate is not None and epoch_done and accelerator.is_main_process:
-            result = {"step": step, "epoch": epoch, "eval": evaluate(accelerator.unwrap_model(model), epoch)}
-            history.append(result)
-            log(json.dumps(result))
-        if step % config.save_every == 0 or step == total_steps or epoch_done:
-            accelerator.wait_for_everyone()
-            if accelerator.is_main_process:
-                state = {"step": step, "config": asdict(config), "history": history,
-                         "head": accelerator.unwrap_model(model).state_dict(),
-                         "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
-                checkpointer.save(accelerator.unwrap_model(model), state, save_head)
+    saved = step if step else None  # the step of the checkpoint on disk, if any
+    check_gradients = mixed != "fp16"  # fp16's loss scaler skips steps with inf gradients by design
+    try:
+        while step < total_steps:
+            epoch, index = divmod(step, steps_per_epoch)
+            order = epoch_order(len(dataset), config.seed, epoch)
+            first = index * config.batch_size + rank * per_process
+            batch = pad_batch([dataset[i] for i in order[first:first + per_process]], keys)
+            rows = first - index * config.batch_size
+            batch["noise_seed"] = (config.seed * 1_000_003 + step) * 4096 + torch.arange(rows, rows + per_process)
+            batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+            model.train()
+            with accelerator.autocast():
+                loss_sum, count, metrics = loss_fn(model, batch)
+            # Normalise by the tokens of the global batch, so the gradient is the same for any process count.
+            global_count = accelerator.reduce(torch.tensor(float(count), device=accelerator.device), "sum")
+            loss = loss_sum * world / global_count.clamp(min=1.0)
+            reported = accelerator.reduce(loss.detach() / world, "sum").item()  # the same on every process
+            if not math.isfinite(reported):
+                raise _diverged("loss", reported, step + 1, checkpointer, saved)
+            optimizer.zero_grad(set_to_none=True)
+            accelerator.backward(loss)
+            norm = accelerator.clip_grad_norm_(model.parameters(), config.grad_clip)
+            if check_gradients and norm is not None and not math.isfinite(float(norm)):
+                raise _diverged("gradient norm", float(norm), step + 1, checkpointer, saved)
+            optimizer.step()
+            scheduler.step()
+            if not _finite_weights(model):  # e.g. a huge learning rate: the loss was fine, the update was not
+                raise _diverged("updated weights", math.nan, step + 1, checkpointer, saved)
+            step += 1
+            tokens_seen += int(global_count)
+            record = {"step": step, "epoch": epoch, "loss": reported, "lr": scheduler.get_last_lr()[0],
+                      **{k: float(accelerator.reduce(v.detach(), "mean")) for k, v in metrics.items()}}
+            history.append(record)
+            rate = tokens_seen / (time.perf_counter() - started)
+            progress.set_postfix(loss=f"{reported:.4f}", tok_s=f"{rate:.0f}")
+            progress.update(1)
+            epoch_done = step % steps_per_epoch == 0
+            if evaluate is not None and epoch_done and accelerator.is_main_process:
+                result = {"step": step, "epoch": epoch, "eval": evaluate(accelerator.unwrap_model(model), epoch)}
+                history.append(result)
+                log(json.dumps(result))
+            if step % config.save_every == 0 or step == total_steps or epoch_done:
+                accelerator.wait_for_everyone()
+                if accelerator.is_main_process:
+                    state = {"step": step, "config": asdict(config), "history": history,
+                             "head": accelerator.unwrap_model(model).state_dict(),
+                             "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
+                    checkpointer.save(accelerator.unwrap_model(model), state, save_head)
+                saved = step
+    except KeyboardInterrupt:
+        progress.close()
+        if accelerator.is_main_process:
+            log(f"interrupted at step {step} of {total_steps}: {_kept(checkpointer, saved)}; "
+                "run the same command with --resume to continue")
+        raise
     progress.close()
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         final = accelerator.unwrap_model(model)
         save_head(final, out)
-        (out / "training_history.json").write_text(json.dumps(history, indent=1))
+        atomic_write_json(out / "training_history.json", history)
     return history
+
+
+def _finite_weights(model: nn.Module) -> bool:
+    return bool(torch.stack([torch.isfinite(p).all() for p in model.parameters()]).all())
+
+
+def _kept(checkpointer: Checkpointer, saved: int | None) -> str:
+    if saved is None:
+        return "no checkpoint had been written yet"
+    return f"the checkpoint of step {saved} is kept in {checkpointer.path}"
+
+
+def _diverged(what: str, value: float, step: int, checkpointer: Checkpointer, saved: int | None) -> TrainingDiverged:
+    return TrainingDiverged(f"training diverged at step {step}: the {what} is {value} (not finite), so nothing of "
+                            f"that step was saved; {_kept(checkpointer, saved)}. Lower --lr or --grad-clip and "
+                            "train into a new --out")

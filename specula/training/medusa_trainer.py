@@ -27,7 +27,6 @@ written beside the heads as `medusa_choices.json`, which `medusa` then uses;
 from __future__ import annotations
 
 import copy
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,8 +36,8 @@ import torch.nn.functional as F
 
 from specula.drafters.medusa import CHOICES_FILE, DEFAULT_CHOICES, build_choices, expected_accepted
 from specula.errors import SpeculaError
-from specula.heads.checkpoint import atomic_write
 from specula.heads.medusa_head import MedusaHeads
+from specula.outputs import atomic_write_json
 from specula.target import Target
 from specula.training.evaluation import mean_tau
 from specula.training.loop import TrainConfig, run_training
@@ -125,7 +124,7 @@ def write_tree(path: Path, heads: MedusaHeads, samples, nodes: int = TREE_NODES,
               "accuracy": [[round(a, 4) for a in row] for row in accuracy.tolist()],
               "measured_on_samples": len(samples)}
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(report, indent=1)))
+    atomic_write_json(path, report)
     return report
 
 
@@ -169,7 +168,7 @@ def train_medusa(target: Target, train_set, eval_set, out: Path, config: TrainCo
     history = run_training(heads, train_set, medusa_loss(options.num_heads, options.decay), config, out,
                            save_head=lambda model, directory: model.save_pretrained(directory),
                            keys=("input_ids", "loss_mask", "hidden"), resume=resume,
-                           evaluate=evaluate if len(eval_set) else None, log=log)
+                           evaluate=evaluate if len(eval_set) else None, log=log, kind="train medusa")
     if len(eval_set) and int(os.environ.get("RANK", "0")) == 0:  # one process writes the tree
         report = write_tree(out / CHOICES_FILE, heads, held_out(), options.tree_nodes, options.tree_top_k)
         log(f"tree of {report['nodes']} candidates, {report['expected_accepted']} expected accepted drafts per "

@@ -27,6 +27,11 @@ class DataOptions:
     train_samples: int | None = None  # train on only this many (the held-out set stays the same): data scaling
     max_prompt_context: int | None = None  # train-set items keep at most this many tokens before the response
 
+    def __post_init__(self) -> None:
+        if not (isinstance(self.temperature, (int, float)) and 0.0 <= self.temperature < float("inf")):
+            raise SpeculaError(f"the regeneration temperature (--gen-temperature) must be a finite number >= 0, "
+                               f"got {self.temperature!r}")
+
 
 class PromptCrop:
     """Items of a dataset with all but the last ``context`` tokens before the response dropped.
