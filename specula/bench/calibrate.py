@@ -131,7 +131,7 @@ def recommended_options(drafter, best_gamma: int | None, best_tree: dict | None,
 
 def calibrate(opts: CalibrationOptions, log=lambda message: None) -> dict:
     """Measure and predict; returns the profile (without writing it)."""
-    from specula.api import DEFAULT_HEADS, DEFAULT_TARGET
+    from specula.api import DEFAULT_HEADS, HEADS_TARGET
     from specula.decoding import generate_tokens
     from specula.drafters import build_drafter
     from specula.drafters.vanilla import VanillaDrafter
@@ -144,7 +144,7 @@ def calibrate(opts: CalibrationOptions, log=lambda message: None) -> dict:
         torch.set_num_threads(opts.threads)
     target = Target.load(opts.target, dtype=opts.dtype, device=opts.device)
     draft = opts.draft
-    if draft is None and opts.method in DEFAULT_HEADS and Path(opts.target).resolve() == DEFAULT_TARGET:
+    if draft is None and opts.method in DEFAULT_HEADS and Path(opts.target).resolve() == HEADS_TARGET:
         draft = str(DEFAULT_HEADS[opts.method])
     try:
         inner = build_drafter(opts.method, target, draft, dtype=opts.dtype, **(opts.options or {}))

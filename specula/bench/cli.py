@@ -99,11 +99,12 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def bench_settings(args: argparse.Namespace):
     """Merge command line, config file and defaults into BenchSettings (loads no model)."""
-    from specula.api import DEFAULT_HEADS, DEFAULT_TARGET
+    from specula.api import DEFAULT_HEADS, DEFAULT_TARGET, HEADS_TARGET
     from specula.bench.config import method_specs, read_config
     from specula.bench.profile import all_defaults, load_profile
     from specula.bench.questions import load_questions
     from specula.bench.suite import BenchSettings
+    from specula.model_source import model_name
     from specula.sampling import SamplingParams
     from specula.target import check_model_dir
 
@@ -133,11 +134,11 @@ def bench_settings(args: argparse.Namespace):
 
     profile = None
     if not args.no_profile:
-        profile = load_profile(Path(target).resolve().name, args.profile)
+        profile = load_profile(model_name(target), args.profile)
     device = str(pick("device", "cpu"))
     labels = _split(pick("methods"))
     specs = method_specs(labels, config["methods"], args.option, all_defaults(profile, device))
-    bundled = Path(target).resolve() == DEFAULT_TARGET
+    bundled = Path(target).resolve() == HEADS_TARGET
     for spec in specs:
         if spec.draft is None and bundled and spec.method in DEFAULT_HEADS:
             spec.draft = str(DEFAULT_HEADS[spec.method])
