@@ -187,17 +187,24 @@ def entry_is_valid(entry: Path, sha256: str) -> bool:
 def cached_hf_dir(gguf_file: Path, root: Path) -> Path:
     """The Hugging Face directory converted from ``gguf_file`` under ``root``, converting it if needed."""
     gguf_file = Path(gguf_file)
-    sha256 = file_sha256(gguf_file)
+    try:
+        sha256 = file_sha256(gguf_file)
+    except OSError as err:
+        raise SpeculaError(f"cannot read GGUF file {gguf_file}: {err.strerror or err}") from err
     entry = root / sha256
     if entry_is_valid(entry, sha256):
         return entry
     check_gguf_file(gguf_file)
-    root.mkdir(parents=True, exist_ok=True)
-    _remove_stale_tmp(root, sha256)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{sha256}.tmp-", dir=root))
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the entry is an ordinary cache directory
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        _remove_stale_tmp(root, sha256)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{sha256}.tmp-", dir=root))
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the entry is an ordinary cache directory
+    except OSError as err:
+        raise SpeculaError(f"cannot write to the cache {root}: {err.strerror or err} "
+                           "(set SPECULA_CACHE_DIR to a writable directory)") from err
     try:
         with _Progress(gguf_file.name) as progress:
             convert_gguf(gguf_file, tmp, progress)
@@ -208,6 +215,8 @@ def cached_hf_dir(gguf_file: Path, root: Path) -> Path:
                 shutil.rmtree(entry)  # damaged: replace it
             os.rename(tmp, entry)
             progress.done(entry)
+    except OSError as err:
+        raise SpeculaError(f"cannot write the converted {gguf_file.name} to {root}: {err.strerror or err}") from err
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone already after the rename
     return entry
@@ -239,23 +248,23 @@ def convert_gguf(gguf_file: Path, out: Path, progress=None) -> None:
         legacy_loader.tqdm = lambda iterable, *args, **kwargs: iterable
     try:
         stage("dequantizing the weights")
-        model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32,
-                                                     local_files_only=True, **options)
-        stage("reading the tokenizer")
-        tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, local_files_only=True)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name,
+                                                         dtype=torch.float32, local_files_only=True, **options)
+            stage("reading the tokenizer")
+            tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name,
+                                                      local_files_only=True)
+        except Exception as err:  # the GGUF loader fails in many ways (ValueError, KeyError, NotImplementedError...)
+            reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise SpeculaError(f"cannot read GGUF file {gguf_file}: {reason}") from err
         quantizer = getattr(model, "hf_quantizer", None)
         if quantizer is not None:  # the weights are plain tensors now; saving refuses while this is attached
             quantizer.remove_quantization_config(model)
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         stage("writing safetensors")
-        model.save_pretrained(out)
+        model.save_pretrained(out)  # an OSError here (disk full) is reported by the caller as a write failure
         tokenizer.save_pretrained(out)
-    except SpeculaError:
-        raise
-    except Exception as err:  # the GGUF loader fails in many ways (ValueError, KeyError, NotImplementedError, ...)
-        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise SpeculaError(f"cannot read GGUF file {gguf_file}: {reason}") from err
     finally:
         hf_logging.set_verbosity(verbosity)
         if bars:

