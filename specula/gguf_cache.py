@@ -307,8 +307,8 @@ class _Progress:
 
     def stage(self, text: str) -> None:
         if self.live:
-            sys.stderr.write(f"\r\033[Kspecula: converting {self.name} to a Hugging Face directory, once "
-                             f"(about half a minute): {text}...")
+            sys.stderr.write(f"\r\033[Kspecula: converting {self.name} to a Hugging Face directory "
+                             f"(first use only): {text}...")
             sys.stderr.flush()
 
     def done(self, entry: Path) -> None:
