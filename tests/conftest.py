@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -188,6 +189,7 @@ def smollm2(no_machine_profile):
     import specula
     from specula import gguf_cache
     from specula.api import DEFAULT_TARGET
+    from specula.model_source import cache_dir
 
     loaded, conversions = [], []
     original_load, original_convert = AutoModelForCausalLM.from_pretrained, gguf_cache.convert_gguf
@@ -207,4 +209,6 @@ def smollm2(no_machine_profile):
         patch.setattr(gguf_cache, "convert_gguf", count)
         speculator = specula.load(DEFAULT_TARGET, dtype="float32")
     assert len(loaded) == 1, "the session cache was expected to start empty"
-    return SimpleNamespace(speculator=speculator, reference=loaded[0].eval(), conversions=conversions)
+    yield SimpleNamespace(speculator=speculator, reference=loaded[0].eval(), conversions=conversions)
+    # pytest keeps the temporary directories of recent sessions; 540 MB of float32 weights each is too much.
+    shutil.rmtree(cache_dir() / "gguf", ignore_errors=True)
