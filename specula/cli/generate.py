@@ -7,7 +7,15 @@ import json
 import sys
 from pathlib import Path
 
-from specula.cli.common import DTYPE_CHOICES, PROG, add_method_arguments, device_name, method_options, positive_int
+from specula.cli.common import (
+    DTYPE_CHOICES,
+    PROG,
+    TARGET_HELP,
+    add_method_arguments,
+    device_name,
+    method_options,
+    positive_int,
+)
 from specula.decoding import GenerationStats
 from specula.errors import SpeculaError
 from specula.methods import DEFAULT_TARGET, METHODS, build_speculator
@@ -17,15 +25,17 @@ from specula.sampling import SamplingParams, check_seed
 def add_generate(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("generate", help="generate text from a prompt with one decoding method",
                               description="Generate a continuation of a prompt, losslessly accelerated.")
-    p.add_argument("--target", type=Path, default=DEFAULT_TARGET, metavar="DIR",
-                   help="local Hugging Face causal LM directory (default: the bundled %(default)s)")
+    p.add_argument("--target", type=Path, default=DEFAULT_TARGET, metavar="MODEL", help=TARGET_HELP)
     p.add_argument("--method", choices=tuple(METHODS), default="vanilla", help="decoding method (default: %(default)s)")
     p.add_argument("--draft", type=Path, metavar="DIR",
                    help="draft model (sps) or head directory (eagle*, medusa, ada); bundled targets have defaults")
+    p.add_argument("--system", metavar="TEXT", help="system message (models with a chat template)")
+    p.add_argument("--raw", action="store_true",
+                   help="send the prompt verbatim instead of as a user message through the chat template")
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", metavar="TEXT", help="the prompt text")
     prompt.add_argument("--prompt-file", type=Path, metavar="FILE",
-                        help="read the prompt from FILE (UTF-8, used verbatim)")
+                        help="read the prompt from FILE (UTF-8)")
     add_sampling_arguments(p)
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help="(default: %(default)s, as stored)")
     p.add_argument("--device", type=device_name, default="cpu", help="torch device (default: %(default)s)")
@@ -72,14 +82,14 @@ def run_generate(args: argparse.Namespace) -> int:
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                     top_k=args.top_k, seed=args.seed)
     if args.json:
-        result = speculator.generate(prompt, **sampling)
+        result = speculator.generate(prompt, system=args.system, raw=args.raw, **sampling)
         report = {"method": args.method, "acceptance": args.acceptance,
                   "lossless": speculator.lossless or args.temperature == 0,  # typical is greedy matching at T=0
                   "text": result.text, "token_ids": result.token_ids, **result.stats.as_dict()}
         print(json.dumps(report))
         return 0
     stats = GenerationStats()
-    for chunk in speculator.stream(prompt, stats=stats, **sampling):
+    for chunk in speculator.stream(prompt, stats=stats, system=args.system, raw=args.raw, **sampling):
         sys.stdout.write(chunk.text)
         sys.stdout.flush()
     sys.stdout.write("\n")
