@@ -205,14 +205,14 @@ def run_bench(settings: BenchSettings) -> dict:
     from specula.target import Target
 
     out = Path(settings.out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise SpeculaError(f"cannot create output directory {out}: {err}") from err
+    if out.exists() and not out.is_dir():
+        raise SpeculaError(f"--out {out} is a file, not a directory")
+    if out.is_dir() and ((out / "config.json").exists() or any(out.glob("*.safetensors"))):
+        raise SpeculaError(f"--out {out} holds a model or draft head; bench writes only its own results")
     if settings.threads:
         torch.set_num_threads(settings.threads)
     threads = torch.get_num_threads()
-    previous = read_results(out)
+    previous = read_results(out) if out.is_dir() else None
 
     rss_before = rss_mb()
     target = Target.load(settings.target, dtype=settings.dtype, device=settings.device)
@@ -234,13 +234,18 @@ def run_bench(settings: BenchSettings) -> dict:
         raise SpeculaError(f"prompts of up to {max_prompt_tokens} tokens plus max_new_tokens "
                            f"{settings.max_new_tokens} do not fit the {context}-token context of {smallest}")
     run_settings = {
-        "target": str(Path(settings.target).resolve().name), "target_path": str(settings.target),
+        "target": target.name, "target_path": str(settings.target),
         "dtype": dtype_name, "device": str(target.device), "threads": threads,
         "max_new_tokens": settings.max_new_tokens, "max_prompt_tokens": max_prompt_tokens, "seed": settings.seed,
         "top_k": settings.top_k, "top_p": settings.top_p, "temperatures": settings.temperatures,
         "data": settings.data, "categories": settings.categories, "limit": settings.limit,
         "methods": {spec.label: spec.as_dict() for spec in settings.methods},
     }
+    # Created only now that every method has been built: a rejected option or model leaves nothing behind.
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise SpeculaError(f"cannot create output directory {out}: {err}") from err
     records: list[dict] = []
     if previous is not None:
         check_resumable(previous, run_settings)

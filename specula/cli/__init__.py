@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
+import sys
 from collections.abc import Callable, Iterator
 
 from transformers import logging as hf_logging
 
 from specula.cli.bench import add_bench_parser, add_calibrate_parser, add_speedcheck_parser
 from specula.cli.chat import add_chat
-from specula.cli.common import EXIT_INTERRUPTED, PROG, ArgumentParser, report_error
+from specula.cli.common import EXIT_BROKEN_PIPE, EXIT_FAILURE, EXIT_INTERRUPTED, PROG, ArgumentParser, report_error
 from specula.cli.convert import add_convert_parser
 from specula.cli.generate import add_generate
 from specula.cli.train import add_train
@@ -59,8 +61,24 @@ def main(argv: list[str] | None = None) -> int:
         return report_error(str(err))
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader went away (`specula generate ... | head`): stop quietly, as other command-line tools do.
+        _discard_stdout()
+        return EXIT_BROKEN_PIPE
+    except OSError as err:  # a failed write of our own output, e.g. a full disk
+        report_error(f"cannot write output: {err.strerror or err}")
+        return EXIT_FAILURE
     except SystemExit as done:  # --help: argparse has printed and wants to exit
         return done.code if isinstance(done.code, int) else 0
+
+
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null so Python's exit-time flush does not fail on the closed pipe again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
 
 
 __all__ = ["build_parser", "main"]

@@ -190,7 +190,12 @@ def canonical_command(settings) -> str:
 def run_bench_command(args: argparse.Namespace) -> int:
 
     settings = bench_settings(args)
-    results = run_bench(settings)
+    try:
+        results = run_bench(settings)
+    except KeyboardInterrupt:
+        print(f"specula: interrupted: the records finished so far are kept in {settings.out / 'results.json'}; "
+              "run the same command again to resume", file=sys.stderr)
+        raise
     out = settings.out
     print(f"{len(results['records'])} records in {out / 'results.json'}; table in {out / 'results.md'}",
           file=sys.stderr)

