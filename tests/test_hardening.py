@@ -228,14 +228,14 @@ def test_a_tree_choices_file_of_the_wrong_type_is_one_error_line(tmp_path, capsy
 
 
 def feature_samples(target, count: int = 3) -> list:
-    from specula.training.data import TrainingSample
+    from specula.training.records import TrainingSample
 
     ids = torch.tensor(target.tokenizer("Once upon a time there was a little girl").input_ids)
     return [TrainingSample(ids[: 6 + k], torch.ones(6 + k, dtype=torch.bool)) for k in range(count)]
 
 
 def test_a_truncated_feature_shard_is_refused_by_name_and_recomputed(stories_target, tmp_path):
-    from specula.training.data import CachedFeatures, cache_features
+    from specula.training.features import CachedFeatures, cache_features
 
     request = FeatureRequest(final_hidden=True)
     samples = feature_samples(stories_target)
@@ -253,7 +253,7 @@ def test_a_truncated_feature_shard_is_refused_by_name_and_recomputed(stories_tar
 
 def test_a_truncated_ldlp_label_file_is_refused_by_name(stories_target, tmp_path):
     from specula.heads.eagle_head import EagleHead
-    from specula.training.data import OnlineFeatures
+    from specula.training.features import OnlineFeatures
     from specula.training.ldlp_data import label_features
 
     features = OnlineFeatures(stories_target, feature_samples(stories_target), FeatureRequest(final_hidden=True))

@@ -11,16 +11,10 @@ from conftest import STORIES, STORY_PROMPTS
 import specula
 from specula.errors import SpeculaError
 from specula.target import FeatureRequest, Target
-from specula.training import data
-from specula.training.data import (
-    CachedFeatures,
-    TrainingRecord,
-    build_samples,
-    cache_features,
-    prepare_samples,
-    read_records,
-    regenerate,
-)
+from specula.training import regeneration
+from specula.training.features import CachedFeatures, cache_features
+from specula.training.records import TrainingRecord, build_samples, read_records
+from specula.training.regeneration import prepare_samples, regenerate
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'assistant' %}Bot: {{ m['content'] }}{{ eos_token }}\n"
@@ -162,7 +156,7 @@ def test_regeneration_is_the_targets_own_greedy_continuation(target, monkeypatch
     # so that one row stops (EOS kept, nothing after it) while the others go on past it; the
     # reference is `transformers` generate on each prompt alone (no padding).
     monkeypatch.setattr(target, "eos_token_ids", {replies[1][5]})
-    stopped = check(24, lambda ids, n: data.generate_batch(target, [ids], n)[0])
+    stopped = check(24, lambda ids, n: regeneration.generate_batch(target, [ids], n)[0])
     assert len(stopped[1]) == 6 and stopped[1][-1] == replies[1][5]
     assert max(len(r) for r in stopped) > 6
 
@@ -264,7 +258,7 @@ def test_interrupted_regeneration_resumes_from_its_journal(target, tmp_path, mon
     settings = dict(max_new_tokens=8, temperature=1.0, batch_size=2, seed=3, progress=False, log=None)
     reference = prepare_samples(target, records, **settings)
     generated = []
-    original = data.generate_batch
+    original = regeneration.generate_batch
 
     def interrupted(*args, **kwargs):
         if len(generated) == 2:
@@ -272,11 +266,11 @@ def test_interrupted_regeneration_resumes_from_its_journal(target, tmp_path, mon
         generated.append(args[1])
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(data, "generate_batch", interrupted)
+    monkeypatch.setattr(regeneration, "generate_batch", interrupted)
     with pytest.raises(KeyboardInterrupt):
         prepare_samples(target, records, cache_dir=tmp_path, **settings)
     assert not (tmp_path / "samples.pt").exists()
-    monkeypatch.setattr(data, "generate_batch", lambda *a, **k: generated.append(a[1]) or original(*a, **k))
+    monkeypatch.setattr(regeneration, "generate_batch", lambda *a, **k: generated.append(a[1]) or original(*a, **k))
     generated.clear()
     samples = prepare_samples(target, records, cache_dir=tmp_path, **settings)
     assert len(generated) == 1  # two of the three batches came from the journal

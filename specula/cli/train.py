@@ -24,13 +24,15 @@ from specula.heads.medusa_head import MedusaHeads
 from specula.methods import DEFAULT_TARGET
 from specula.outputs import prepare_output_dir
 from specula.target import FeatureRequest, Target, check_model_dir
-from specula.training.data import OnlineFeatures, prepare_samples, read_records
 from specula.training.eagle3_trainer import DEFAULT_STEPS, Eagle3TrainOptions, feature_request, train_eagle3
 from specula.training.eagle_trainer import EagleTrainOptions, train_eagle
+from specula.training.features import OnlineFeatures
 from specula.training.ldlp_trainer import MAX_DRAFT_LENGTH, PENALTY, LdlpTrainOptions, format_report, train_ldlp
 from specula.training.loop import TrainConfig
 from specula.training.medusa_trainer import DECAY, TREE_NODES, TREE_TOP_K, MedusaTrainOptions, train_medusa, write_tree
 from specula.training.recipe import DataOptions, feature_sets
+from specula.training.records import read_records
+from specula.training.regeneration import prepare_samples
 
 
 def add_data_arguments(p: argparse.ArgumentParser) -> None:

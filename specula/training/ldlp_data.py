@@ -34,7 +34,7 @@ from specula.heads.base import DraftHead
 from specula.outputs import atomic_write
 from specula.readers import load_torch
 from specula.target import Target
-from specula.training.data import target_fingerprint
+from specula.training.fingerprints import target_fingerprint
 
 
 class LabelledFeatures:

@@ -9,12 +9,13 @@ import torch
 
 from specula.errors import SpeculaError
 from specula.target import FeatureRequest, Target
-from specula.training.data import CachedFeatures, OnlineFeatures, cache_features, prepare_samples
+from specula.training.features import CachedFeatures, OnlineFeatures, cache_features
+from specula.training.regeneration import prepare_samples
 
 
 @dataclass
 class DataOptions:
-    """How training samples are made (see `specula.training.data`)."""
+    """How training samples are made (see `specula.training.records`, `regeneration`, `features`)."""
 
     data: Path
     cache_dir: Path | None = None

@@ -1,0 +1,243 @@
+"""Target features of training samples: batched-free feature passes and the on-disk feature cache.
+
+Feature cache (`cache_features`, `CachedFeatures`): ``cache_dir/manifest.json`` and shards
+``features-00000.safetensors``…; each shard packs its samples' tokens end to end: ``input_ids`` int64
+[N], ``loss_mask`` bool [N], ``offsets`` int64 [n + 1] (sample k is rows offsets[k]:offsets[k+1]),
+``hidden`` [N, H] (final post-norm hidden states) and ``layer_inputs`` [N, L, H] (inputs of the
+requested decoder layers, in the request's order), as `Target.prefill` returns them over the whole
+sample. Features are stored in the target's dtype, bit for bit what the target computed (float32 for a
+float32 target; half the disk for bfloat16); trainers cast them. A shard is written to a temporary
+file and renamed, so an interrupted run leaves only whole shards and the next run computes the rest.
+The manifest's fingerprint covers the samples, the target's weights and dtype, the feature request
+and the shard size: a cache built for anything else is refused, never silently reused.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from specula.errors import SpeculaError
+from specula.outputs import atomic_write, atomic_write_text
+from specula.readers import check_safetensors, open_safetensors
+from specula.target import FeatureRequest, Target
+from specula.training.fingerprints import FORMAT_VERSION, cache_mismatch, samples_hash, stable_hash, target_fingerprint
+from specula.training.records import Log, TrainingSample
+
+MANIFEST_FILE = "manifest.json"
+
+
+def cache_features(target: Target, samples: Sequence[TrainingSample], cache_dir: str | Path,
+                   request: FeatureRequest, shard_size: int = 128, progress: bool = True,
+                   log: Log | None = print) -> CachedFeatures:
+    """Run the target over every sample (teacher forcing) and keep the requested features on disk.
+
+    Shards already on disk from an interrupted run with the same fingerprint are kept; a cache
+    built for other samples, another target or another request is refused.
+    """
+    from safetensors.torch import save_file
+    from tqdm.auto import tqdm
+
+    _check_request(target, request)
+    if shard_size < 1:
+        raise SpeculaError(f"shard size must be >= 1, got {shard_size}")
+    if not samples:
+        raise SpeculaError("there are no training samples to compute features for")
+    longest = max(int(s.input_ids.shape[0]) for s in samples)
+    if longest > target.max_length:
+        raise SpeculaError(f"a training sample has {longest} tokens, more than the target's context of "
+                           f"{target.max_length}")
+    components = {
+        "samples": samples_hash(samples), "target": target_fingerprint(target),
+        "request": _request_dict(request), "shard_size": shard_size, "version": FORMAT_VERSION,
+    }
+    fingerprint = stable_hash(components)
+    directory = Path(cache_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    manifest_path = directory / MANIFEST_FILE
+    shards = [{"file": f"features-{k:05d}.safetensors", "first": first, "count": min(shard_size, len(samples) - first)}
+              for k, first in enumerate(range(0, len(samples), shard_size))]
+    if manifest_path.is_file():
+        manifest = _read_manifest(directory)
+        if manifest.get("fingerprint") != fingerprint:
+            raise cache_mismatch("the feature cache", directory, manifest.get("components", {}), components)
+    else:
+        manifest = {
+            "format": "specula-features", "version": FORMAT_VERSION, "fingerprint": fingerprint,
+            "components": components,
+            "target": {"name": target.name, "path": str(getattr(target.config, "_name_or_path", "")),
+                       "model_type": target.config.model_type, "hidden_size": int(target.config.hidden_size)},
+            "request": _request_dict(request), "dtype": str(target.dtype).removeprefix("torch."),
+            "num_samples": len(samples), "num_tokens": sum(int(s.input_ids.shape[0]) for s in samples),
+            "shards": shards, "complete": False,
+        }
+        atomic_write_text(manifest_path, json.dumps(manifest, indent=1))
+    todo = [shard for shard in shards if not _whole_shard(directory / shard["file"], log)]
+    if log and len(todo) < len(shards):
+        log(f"feature cache {directory}: {len(shards) - len(todo)} of {len(shards)} shards done, "
+            f"computing {len(todo)}")
+    bar = tqdm(total=sum(s["count"] for s in todo), desc="features", unit="sample", disable=not progress,
+               dynamic_ncols=True)
+    tokens, started = 0, time.perf_counter()
+    for shard in todo:
+        part = samples[shard["first"]:shard["first"] + shard["count"]]
+        hidden, layers = [], []
+        for sample in part:
+            out = target.prefill(sample.input_ids.to(target.device), request)
+            if request.final_hidden:
+                hidden.append(out.hidden.detach().cpu())
+            if request.layer_inputs:
+                layers.append(torch.stack([out.layer_inputs[i] for i in request.layer_inputs], 1).detach().cpu())
+            tokens += int(sample.input_ids.shape[0])
+            bar.update(1)
+            bar.set_postfix(tok_s=f"{tokens / max(time.perf_counter() - started, 1e-9):.0f}")
+        lengths = torch.tensor([int(s.input_ids.shape[0]) for s in part], dtype=torch.long)
+        tensors = {
+            "input_ids": torch.cat([s.input_ids for s in part]).long(),
+            "loss_mask": torch.cat([s.loss_mask for s in part]).bool(),
+            "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
+        }
+        if hidden:
+            tensors["hidden"] = torch.cat(hidden)
+        if layers:
+            tensors["layer_inputs"] = torch.cat(layers)
+        tensors = {k: v.contiguous() for k, v in tensors.items()}
+        metadata = {"first": str(shard["first"]), "count": str(shard["count"])}
+        atomic_write(directory / shard["file"], lambda tmp, t=tensors, m=metadata: save_file(t, tmp, metadata=m))
+    bar.close()
+    target.reset()
+    if not manifest["complete"]:
+        manifest["complete"] = True
+        atomic_write_text(manifest_path, json.dumps(manifest, indent=1))
+    return CachedFeatures(directory)
+
+
+class CachedFeatures:
+    """The samples of a feature cache with their features (a torch Dataset: ``len`` and indexing).
+
+    An item is a dict of ``input_ids`` int64 [T], ``loss_mask`` bool [T] and, as requested,
+    ``hidden`` [T, H] and ``layer_inputs`` [T, L, H], in the stored dtype. Shards are read lazily
+    (memory-mapped), so a cache larger than memory is fine.
+    """
+
+    def __init__(self, cache_dir: str | Path, target: Target | None = None):
+        self.directory = Path(cache_dir)
+        self.manifest = _read_manifest(self.directory)
+        if not self.manifest.get("complete"):
+            raise SpeculaError(f"the feature cache in {self.directory} is incomplete; run the caching again to "
+                               "finish it")
+        if target is not None and self.manifest["components"]["target"] != target_fingerprint(target):
+            raise SpeculaError(f"the feature cache in {self.directory} was built with another target "
+                               f"({self.manifest['target']['path'] or self.manifest['target']['name']}, "
+                               f"{self.manifest['dtype']})")
+        request = self.manifest["request"]
+        self.request = FeatureRequest(request["final_hidden"], tuple(request["layer_inputs"]))
+        self.shards = self.manifest["shards"]
+        self._firsts = [shard["first"] for shard in self.shards]
+        self._open: dict[int, tuple[object, list[int]]] = {}
+
+    def __len__(self) -> int:
+        return int(self.manifest["num_samples"])
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(f"sample {index} out of range for {len(self)} samples")
+        k = bisect.bisect_right(self._firsts, index) - 1
+        handle, offsets = self._shard(k)
+        local = index - self.shards[k]["first"]
+        a, b = offsets[local], offsets[local + 1]
+        names = ["input_ids", "loss_mask"]
+        if self.request.final_hidden:
+            names.append("hidden")
+        if self.request.layer_inputs:
+            names.append("layer_inputs")
+        return {name: handle.get_slice(name)[a:b] for name in names}
+
+    def _shard(self, k: int):
+        if k not in self._open:
+            path = self.directory / self.shards[k]["file"]
+            if not path.is_file():
+                raise SpeculaError(f"feature shard {path} is missing; run the caching again to rebuild it")
+            handle = open_safetensors(path, "feature shard")
+            try:
+                offsets = handle.get_tensor("offsets").tolist()
+            except Exception as err:  # a shard of another layout
+                raise SpeculaError(f"feature shard {path} has no readable offsets ({err}); delete it and run "
+                                   "the caching again to rebuild it") from err
+            self._open[k] = (handle, offsets)
+        return self._open[k]
+
+    def __getstate__(self):  # picklable for DataLoader workers: file handles are reopened there
+        state = dict(self.__dict__)
+        state["_open"] = {}
+        return state
+
+
+class OnlineFeatures:
+    """Samples with features computed by the target when an item is read (no disk); items as `CachedFeatures`."""
+
+    def __init__(self, target: Target, samples: Sequence[TrainingSample], request: FeatureRequest):
+        _check_request(target, request)
+        self.target, self.samples, self.request = target, list(samples), request
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        sample = self.samples[index]
+        out = self.target.prefill(sample.input_ids.to(self.target.device), self.request)
+        item = {"input_ids": sample.input_ids, "loss_mask": sample.loss_mask}
+        if self.request.final_hidden:
+            item["hidden"] = out.hidden.detach().cpu()
+        if self.request.layer_inputs:
+            item["layer_inputs"] = torch.stack([out.layer_inputs[i] for i in self.request.layer_inputs], 1).cpu()
+        return item
+
+
+def _check_request(target: Target, request: FeatureRequest) -> None:
+    if not request.final_hidden and not request.layer_inputs:
+        raise SpeculaError("the feature request asks for no features")
+    layers = int(target.config.num_hidden_layers)
+    bad = [i for i in request.layer_inputs if not 0 <= i < layers]
+    if bad:
+        raise SpeculaError(f"requested inputs of layers {bad}, but the target has layers 0..{layers - 1}")
+
+
+def _request_dict(request: FeatureRequest) -> dict:
+    return {"final_hidden": bool(request.final_hidden), "layer_inputs": [int(i) for i in request.layer_inputs]}
+
+
+def _read_manifest(directory: Path) -> dict:
+    path = directory / MANIFEST_FILE
+    if not path.is_file():
+        raise SpeculaError(f"{directory} holds no feature cache (no {MANIFEST_FILE})")
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise SpeculaError(f"the feature cache manifest {path} cannot be read: {err}") from err
+    if not isinstance(manifest, dict) or manifest.get("format") != "specula-features":
+        raise SpeculaError(f"{path} is not a specula feature cache manifest")
+    return manifest
+
+
+# ------------------------------------------------------------------------------------- fingerprints
+
+
+def _whole_shard(path: Path, log: Log | None) -> bool:
+    """Whether a shard is on disk and intact; a damaged one (truncated by hand, a bad disk) is recomputed."""
+    if not path.is_file():
+        return False
+    try:
+        check_safetensors(path, "feature shard")
+    except SpeculaError as err:
+        if log:
+            log(f"{err}: computing it again")
+        return False
+    return True
