@@ -65,7 +65,6 @@ def _int(value, name: str, minimum: int | None = 1) -> int | None:
 
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
-
     p = subparsers.add_parser(
         "bench", help="Spec-Bench-style benchmark: methods side by side, tables and plots",
         description="Run methods side by side on question sets (one model load, warm-up, questions interleaved "
@@ -188,7 +187,6 @@ def canonical_command(settings) -> str:
 
 
 def run_bench_command(args: argparse.Namespace) -> int:
-
     settings = bench_settings(args)
     try:
         results = run_bench(settings)
@@ -212,7 +210,6 @@ def run_bench_command(args: argparse.Namespace) -> int:
 
 
 def add_calibrate_parser(subparsers: argparse._SubParsersAction) -> None:
-
     p = subparsers.add_parser(
         "calibrate", help="measure α, c and verification cost; predict the best draft budget; save a profile",
         description="Measure on this machine the acceptance rate α of a method, its cost coefficient c and the "
@@ -246,7 +243,6 @@ def add_calibrate_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_calibrate_command(args: argparse.Namespace) -> int:
-
     if args.method not in METHODS or args.method == "vanilla":
         raise SpeculaError(f"cannot calibrate method '{args.method}'; choose one of "
                            f"{', '.join(m for m in METHODS if m != 'vanilla')}")

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import NoReturn
 
 import torch
 
 from specula.errors import SpeculaError
-from specula.methods import ACCEPTANCE, TYPICAL_ALPHA, TYPICAL_THRESHOLD, all_options, methods_taking
+from specula.methods import ACCEPTANCE, METHODS, TYPICAL_ALPHA, TYPICAL_THRESHOLD, all_options, methods_taking
 
 PROG = "specula"
 EXIT_USAGE = 2
@@ -83,3 +84,15 @@ def method_options(args: argparse.Namespace) -> dict:
     names = [spec.name for spec in all_options()] + [TYPICAL_THRESHOLD.name, TYPICAL_ALPHA.name]
     given = {name: getattr(args, f"opt_{name}") for name in names if getattr(args, f"opt_{name}", None) is not None}
     return {**given, "acceptance": args.acceptance}
+
+
+def add_model_arguments(p: argparse.ArgumentParser, default_target: Path) -> None:
+    """The target, the method and its draft, and how to load them: shared by generate, chat and serve."""
+    p.add_argument("--target", type=Path, default=default_target, metavar="MODEL", help=TARGET_HELP)
+    p.add_argument("--method", choices=tuple(METHODS), default="vanilla", help="decoding method (default: %(default)s)")
+    p.add_argument("--draft", type=Path, metavar="DIR",
+                   help="draft model (sps) or head directory (eagle*, medusa, ada); bundled targets have defaults")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help="(default: %(default)s, as stored)")
+    p.add_argument("--device", type=device_name, default="cpu", help="torch device (default: %(default)s)")
+    p.add_argument("--no-profile", action="store_true",
+                   help="ignore the hardware profile `specula calibrate` wrote for this target")

@@ -11,7 +11,6 @@ from specula.formats import FORMATS, convert
 
 
 def add_convert_parser(subparsers: argparse._SubParsersAction) -> None:
-
     p = subparsers.add_parser("convert", help="convert an EAGLE-3 head to the vLLM speculators or SGLang layout",
                               description="Convert an EAGLE-3 draft head between the official EAGLE-3 / SGLang "
                                           "layout and the vLLM speculators layout (docs/formats.md).")

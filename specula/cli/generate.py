@@ -8,27 +8,22 @@ import sys
 from pathlib import Path
 
 from specula.cli.common import (
-    DTYPE_CHOICES,
     PROG,
-    TARGET_HELP,
     add_method_arguments,
-    device_name,
+    add_model_arguments,
     method_options,
     positive_int,
 )
 from specula.decoding import GenerationStats
 from specula.errors import SpeculaError
-from specula.methods import DEFAULT_TARGET, METHODS, build_speculator
+from specula.methods import DEFAULT_TARGET, build_speculator
 from specula.sampling import SamplingParams, check_seed
 
 
 def add_generate(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("generate", help="generate text from a prompt with one decoding method",
                               description="Generate a continuation of a prompt, losslessly accelerated.")
-    p.add_argument("--target", type=Path, default=DEFAULT_TARGET, metavar="MODEL", help=TARGET_HELP)
-    p.add_argument("--method", choices=tuple(METHODS), default="vanilla", help="decoding method (default: %(default)s)")
-    p.add_argument("--draft", type=Path, metavar="DIR",
-                   help="draft model (sps) or head directory (eagle*, medusa, ada); bundled targets have defaults")
+    add_model_arguments(p, DEFAULT_TARGET)
     p.add_argument("--system", metavar="TEXT", help="system message (models with a chat template)")
     p.add_argument("--raw", action="store_true",
                    help="send the prompt verbatim instead of as a user message through the chat template")
@@ -37,10 +32,6 @@ def add_generate(subparsers: argparse._SubParsersAction) -> None:
     prompt.add_argument("--prompt-file", type=Path, metavar="FILE",
                         help="read the prompt from FILE (UTF-8)")
     add_sampling_arguments(p)
-    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help="(default: %(default)s, as stored)")
-    p.add_argument("--device", type=device_name, default="cpu", help="torch device (default: %(default)s)")
-    p.add_argument("--no-profile", action="store_true",
-                   help="ignore the hardware profile `specula calibrate` wrote for this target")
     p.add_argument("--json", action="store_true", help="print one JSON object with the text and statistics")
     add_method_arguments(p)
     p.set_defaults(handler=run_generate)

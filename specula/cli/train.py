@@ -104,7 +104,6 @@ def add_train_eagle(trainers: argparse._SubParsersAction) -> None:
 
 
 def run_train_eagle(args: argparse.Namespace) -> int:
-
     target, train_set, eval_set, config = training_inputs(args, FeatureRequest(final_hidden=True))
     train_eagle(target, train_set, eval_set, args.out, config, EagleTrainOptions(num_layers=args.num_layers),
                 resume=args.resume, log=lambda message: print(message, file=sys.stderr))
@@ -113,7 +112,6 @@ def run_train_eagle(args: argparse.Namespace) -> int:
 
 
 def add_train_eagle3_parser(trainers: argparse._SubParsersAction) -> None:
-
     p = trainers.add_parser("eagle3", help="train an EAGLE-3 head (training-time test) by self-distillation",
                             description="Train an EAGLE-3 draft head for a target; it serves --method eagle3.")
     add_data_arguments(p)
@@ -137,8 +135,6 @@ def _layer_list(text: str) -> tuple[int, ...]:
 
 
 def run_train_eagle3(args: argparse.Namespace) -> int:
-
-
     config = AutoConfig.from_pretrained(check_model_dir(args.target, "target"), local_files_only=True)
     request = feature_request(config, args.feature_layers)
     target, train_set, eval_set, train_config = training_inputs(args, request)
@@ -149,11 +145,8 @@ def run_train_eagle3(args: argparse.Namespace) -> int:
     return 0
 
 
-
-
 def add_train_medusa_parser(trainers: argparse._SubParsersAction) -> None:
     """Register `specula train medusa` and `specula train medusa-tree` on the `train` subcommand's subparsers."""
-
     p = trainers.add_parser("medusa", help="train Medusa heads (Medusa-1, frozen target) by self-distillation",
                             description="Train Medusa heads for a target; they serve --method medusa.")
     add_data_arguments(p)
@@ -168,7 +161,6 @@ def add_train_medusa_parser(trainers: argparse._SubParsersAction) -> None:
 
 
 def run_train_medusa(args: argparse.Namespace) -> int:
-
     if args.num_layers < 0:
         raise SpeculaError(f"--num-layers must be >= 0, got {args.num_layers}")
     if not 0.0 < args.decay <= 1.0:
@@ -183,7 +175,6 @@ def run_train_medusa(args: argparse.Namespace) -> int:
 
 
 def add_medusa_tree_parser(trainers: argparse._SubParsersAction) -> None:
-
     p = trainers.add_parser("medusa-tree", help="build a Medusa tree for a node budget from measured head accuracies",
                             description="Measure each Medusa head's per-rank accuracy on the target's own "
                                         "continuations of held-out prompts and keep the most probable paths.")
@@ -208,7 +199,6 @@ def add_medusa_tree_parser(trainers: argparse._SubParsersAction) -> None:
 
 
 def run_medusa_tree(args: argparse.Namespace) -> int:
-
     if not args.data.is_file():
         raise SpeculaError(f"data file not found: {args.data}")
     records = read_records(args.data)[: args.samples]
@@ -229,11 +219,8 @@ def run_medusa_tree(args: argparse.Namespace) -> int:
     return 0
 
 
-
-
 def add_train_ldlp_parser(trainers: argparse._SubParsersAction) -> None:
     """Register `specula train ldlp` on the `train` subcommand's subparsers."""
-
     p = trainers.add_parser("ldlp", help="train AdaEAGLE's draft length predictor for an EAGLE head",
                             description="Train an LDLP that predicts, from the last accepted token, how many "
                                         "drafts an EAGLE head will get accepted; it serves --method ada.")
@@ -250,7 +237,6 @@ def add_train_ldlp_parser(trainers: argparse._SubParsersAction) -> None:
 
 
 def run_train_ldlp(args: argparse.Namespace) -> int:
-
     if not (math.isfinite(args.penalty) and args.penalty >= 1.0):
         raise SpeculaError(f"--penalty must be a finite number >= 1, got {args.penalty}")
     # Check the head before regenerating data, which can take far longer than a wrong path deserves.
