@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from specula.bench.cli import add_bench_parser, add_calibrate_parser
+from specula.check_cli import add_check_parser
 from specula.errors import SpeculaError
 from specula.formats import add_convert_parser
 from specula.training.eagle3_trainer import add_train_eagle3_parser
@@ -295,7 +296,7 @@ def add_train(subparsers: argparse._SubParsersAction) -> None:
 
 # Each entry registers one subcommand on the shared subparsers (train, bench, calibrate, serve, convert go here).
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
-    add_generate, add_train, add_bench_parser, add_calibrate_parser, add_convert_parser,
+    add_generate, add_train, add_bench_parser, add_calibrate_parser, add_convert_parser, add_check_parser,
 ]
 
 

@@ -1,0 +1,90 @@
+"""The `check` subcommand, registered on `specula`'s subparsers by `specula.cli` (logic: `specula.check`).
+
+Exit status: 0 certified lossless, 1 NOT lossless, 3 inconclusive, 2 bad input (one `specula: error:` line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def add_drafter_arguments(p: argparse.ArgumentParser) -> None:
+    """The method options `generate` takes, with the same names (read back by `specula.cli.drafter_options`)."""
+    from specula.cli import positive_int, tree_choices
+
+    p.add_argument("--num-draft-tokens", type=positive_int, metavar="N",
+                   help="draft tokens per cycle for sps and pld (default: the method's own)")
+    p.add_argument("--tree-total-tokens", type=positive_int, metavar="N",
+                   help="eagle2/eagle3: draft nodes kept after reranking")
+    p.add_argument("--tree-depth", type=positive_int, metavar="N", help="eagle2/eagle3: expansion steps")
+    p.add_argument("--tree-top-k", type=positive_int, metavar="K", help="eagle2/eagle3: nodes expanded per step")
+    p.add_argument("--tree-choices", type=tree_choices, metavar="JSON",
+                   help="eagle: static tree as a JSON list of child-rank paths, e.g. '[[0],[1],[0,0]]'")
+    p.add_argument("--ldlp", type=Path, metavar="DIR", help="ada: the draft length predictor (default: DRAFT/ldlp)")
+    p.add_argument("--ada-tree", action="store_true", help="ada: draft a dynamic tree of the predicted depth")
+    p.add_argument("--no-profile", action="store_true",
+                   help="ignore the hardware profile `specula calibrate` wrote for this target")
+
+
+def add_check_parser(subparsers: argparse._SubParsersAction) -> None:
+    from specula.api import DEFAULT_TARGET
+    from specula.check import ALPHA
+    from specula.cli import DTYPE_CHOICES, device_name, positive_int
+    from specula.drafters import METHODS
+
+    p = subparsers.add_parser(
+        "check", help="certify that a method's output is the target's output on this machine",
+        description="Certify that speculative output is the target's output: at T=0 token for token against "
+                    "vanilla (every divergence explained as a floating-point near-tie or a real one), at T>0 a "
+                    "distribution test of the method's loop against the target's exact probabilities, with its "
+                    "power shown by a planted error that must be rejected. Exit 0 certified, 1 NOT lossless, "
+                    "3 inconclusive, 2 bad input.")
+    p.add_argument("--target", type=Path, default=DEFAULT_TARGET, metavar="DIR",
+                   help="local Hugging Face causal LM directory (default: the bundled %(default)s)")
+    p.add_argument("--method", choices=METHODS, required=True, help="the decoding method to certify")
+    p.add_argument("--draft", type=Path, metavar="DIR", help="draft model (sps) or head directory")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help="(default: %(default)s, as stored)")
+    p.add_argument("--device", type=device_name, default="cpu", help="torch device (default: %(default)s)")
+    p.add_argument("--prompts", type=Path, metavar="FILE",
+                   help="JSONL of {\"prompt\": ...} records (default: a bundled set of 8 chat prompts)")
+    p.add_argument("--n", type=positive_int, default=8, metavar="N",
+                   help="prompts decoded greedily against vanilla (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=64, metavar="N",
+                   help="new tokens per greedy prompt (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=1.0, metavar="T",
+                   help="temperature of the distribution test; 0 runs the greedy part only (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="(default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=0, metavar="K", help="0 disables top-k (default: %(default)s)")
+    p.add_argument("--samples", type=positive_int, default=500, metavar="N",
+                   help="loop runs per sampled prompt, for the method and again for the control "
+                        "(default: %(default)s)")
+    p.add_argument("--prefixes", type=positive_int, default=2, metavar="N",
+                   help="prompts sampled at T>0 (default: %(default)s)")
+    p.add_argument("--tokens", type=positive_int, default=3, metavar="N",
+                   help="new tokens per sample, >= 2 (default: %(default)s)")
+    p.add_argument("--alpha", type=float, default=ALPHA, metavar="A",
+                   help="significance level of the distribution test (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, metavar="S", help="first sampling seed (default: %(default)s)")
+    add_drafter_arguments(p)
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object (schema in "
+                                                      "specula/check_report.py)")
+    p.set_defaults(handler=run_check)
+
+
+def run_check(args: argparse.Namespace) -> int:
+    from specula.check import check, read_prompts
+    from specula.cli import drafter_options
+    from specula.sampling import SamplingParams
+
+    SamplingParams(args.temperature, args.top_k, args.top_p)  # bad settings fail before any model loads
+    options = drafter_options(args)
+    prompts = read_prompts(args.prompts) if args.prompts is not None else None
+    report = check(args.target, args.method, args.draft, prompts=prompts, n=args.n,
+                   max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                   top_k=args.top_k, samples=args.samples, prefixes=args.prefixes, tokens=args.tokens,
+                   seed=args.seed, alpha=args.alpha, dtype=args.dtype, device=args.device,
+                   profile=not args.no_profile, **options)
+    print(json.dumps(report.as_dict()) if args.json else report.table())
+    return report.exit_code
