@@ -57,12 +57,12 @@ def add_check_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="temperature of the distribution test; 0 runs the greedy part only (default: %(default)s)")
     p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="(default: %(default)s)")
     p.add_argument("--top-k", type=int, default=0, metavar="K", help="0 disables top-k (default: %(default)s)")
-    p.add_argument("--samples", type=positive_int, default=500, metavar="N",
+    p.add_argument("--samples", type=positive_int, default=400, metavar="N",
                    help="loop runs per sampled prompt, for the method and again for the control "
                         "(default: %(default)s)")
     p.add_argument("--prefixes", type=positive_int, default=2, metavar="N",
                    help="prompts sampled at T>0 (default: %(default)s)")
-    p.add_argument("--tokens", type=positive_int, default=3, metavar="N",
+    p.add_argument("--tokens", type=positive_int, default=4, metavar="N",
                    help="new tokens per sample, >= 2 (default: %(default)s)")
     p.add_argument("--alpha", type=float, default=ALPHA, metavar="A",
                    help="significance level of the distribution test (default: %(default)s)")
