@@ -276,3 +276,24 @@ def test_bench_greedy_divergences_are_split_into_near_ties_and_real(speculators)
     found = records[2]["divergence"]
     assert found["turn"] == 0 and found["position"] == 5 and found["kind"] == REAL
     assert greedy_divergences(records[1:]) == {"near_ties": 0, "real": 1}
+
+
+def test_prompts_go_through_the_chat_template_when_the_tokenizer_has_one(speculators, tmp_path):
+    from specula.check import encode_prompt, read_prompts
+
+    speculator = speculators["pld"]
+    tokenizer = speculator.tokenizer
+    raw = encode_prompt(speculator, "Hi there", 16).tolist()
+    assert raw == tokenizer("Hi there").input_ids  # stories260k has no template: the raw text
+    before = tokenizer.chat_template
+    tokenizer.chat_template = ("{% for m in messages %}User: {{ m['content'] }}\n{% endfor %}"
+                               "{% if add_generation_prompt %}Assistant:{% endif %}")
+    try:
+        templated = encode_prompt(speculator, "Hi there", 16).tolist()
+    finally:
+        tokenizer.chat_template = before
+    assert tokenizer.decode(templated, skip_special_tokens=True).strip() == "User: Hi there\nAssistant:"
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "one"}\n\n{"prompt": "two", "id": 2}\n')
+    assert read_prompts(path) == ["one", "two"]
