@@ -57,7 +57,7 @@ def add_check_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="temperature of the distribution test; 0 runs the greedy part only (default: %(default)s)")
     p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="(default: %(default)s)")
     p.add_argument("--top-k", type=int, default=0, metavar="K", help="0 disables top-k (default: %(default)s)")
-    p.add_argument("--samples", type=positive_int, default=400, metavar="N",
+    p.add_argument("--samples", type=positive_int, default=300, metavar="N",
                    help="loop runs per sampled prompt, for the method and again for the control "
                         "(default: %(default)s)")
     p.add_argument("--prefixes", type=positive_int, default=2, metavar="N",

@@ -4,7 +4,7 @@ Every sampled run is seeded, so each outcome is deterministic on a given machine
 correct methods' combined p-values are far above alpha = 1e-3 and their power controls far below it
 (likelihood z of 5 to 7). The planted T > 0 bugs run with as few samples as keeps them clearly
 rejected: the off-by-one residual has |z| > 20 with 150 samples per prompt, the hot draft about 6.6
-with 200, the bonus from the draft about 6.5 with the default 400 (|z| > 3.5 rejects).
+with 200, the bonus from the draft about 6.5 with 400 (|z| > 3.5 rejects).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from specula.sampling import probabilities, sample
 from specula.target import Target
 
 HEAD = Path(__file__).parent / "data" / "eagle-stories260k"
-# Small greedy part (the T > 0 part keeps the check's defaults: 400 samples x 2 prompts x 4 tokens).
+# Small greedy part (the T > 0 part keeps the check's defaults: 300 samples x 2 prompts x 4 tokens).
 QUICK = {"n": 2, "max_new_tokens": 24}
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -68,8 +68,8 @@ def test_correct_method_is_certified_and_its_power_control_rejects(speculators, 
     assert report.verdict == "certified lossless", report.table()
     assert report.exit_code == EXIT_CERTIFIED
     s = report.sampling
-    # Non-vacuous: speculation really happened in both parts.
-    assert report.greedy.accepted > 0 and s.accepted > 100
+    # Non-vacuous: speculation really happened in both parts (pld accepts least: about 1 draft in 8 runs).
+    assert report.greedy.accepted > 0 and s.accepted > s.method.samples // 20
     assert s.method.p_value >= s.alpha
     # The same test on the planted error (target judged at 1.1 T) rejects: the check could have failed.
     assert s.control.p_value < s.alpha, report.table()
@@ -88,7 +88,7 @@ def test_json_report_follows_the_documented_schema(speculators, certified_report
     fit_keys = {"samples", "p_value", "likelihood_z", "p_likelihood", "chi2", "chi2_df", "p_chi2",
                 "impossible_tokens"}
     assert set(sampling["method"]) == fit_keys and set(sampling["control"]) == fit_keys | {"description"}
-    assert sampling["method"]["samples"] == sampling["prefixes"] * sampling["samples_per_prefix"] == 800
+    assert sampling["method"]["samples"] == sampling["prefixes"] * sampling["samples_per_prefix"] == 600
     assert sampling["tokens"] == 4 and sampling["temperature"] == 1.0
 
 
@@ -137,7 +137,7 @@ def test_bonus_token_drawn_from_the_draft_is_not_lossless(speculators, monkeypat
 
     monkeypatch.setattr(draft_model.DraftModelDrafter, "propose", propose_with_next)
     monkeypatch.setattr(acceptance, "accept_speculative", accept_with_draft_bonus)
-    report = specula.check(speculator=speculators["sps"], n=1, max_new_tokens=8)  # default 400 samples
+    report = specula.check(speculator=speculators["sps"], n=1, max_new_tokens=8, samples=400)
     assert report.exit_code == EXIT_NOT_LOSSLESS, report.table()
     assert report.sampling.method.p_value < report.sampling.alpha
 
