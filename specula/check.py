@@ -136,6 +136,8 @@ def check_greedy(speculator, vanilla, prompts: list[torch.Tensor], max_new_token
             result.compared_tokens += len(expected)
             continue
         divergence = explain(target, ids, expected, run.token_ids, _verify_block(run.stats, position))
+        for side, token in (("vanilla_text", divergence.vanilla_token), ("method_text", divergence.method_token)):
+            setattr(divergence, side, None if token is None else speculator.tokenizer.convert_ids_to_tokens(token))
         result.compared_tokens += divergence.position + 1
         result.divergences.append((index, divergence))
     return result

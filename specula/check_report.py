@@ -19,7 +19,8 @@ JSON schema (``CheckReport.as_dict``, version ``specula.check/1``)::
         "divergences": [{"prompt": int, "position": int, "vanilla_token": int | null,
                          "method_token": int | null, "margin": float, "gap": float | null,
                          "tolerance": float, "kind": "near-tie" | "real",
-                         "verify_width": int | null, "verify_argmax": int | null, "shape_noise": float | null}]
+                         "verify_width": int | null, "verify_argmax": int | null, "shape_noise": float | null,
+                         "vanilla_text": str | null, "method_text": str | null}]
       },
       "sampling": null | {              # T > 0: distribution test (null when temperature is 0)
         "temperature": float, "top_p": float, "top_k": int, "alpha": float,
@@ -165,25 +166,26 @@ class CheckReport:
         g = self.greedy
         draft = f" (draft {self.draft})" if self.draft else ""
         lines = [f"specula check: target {self.target}, method {self.method}{draft}, {self.dtype}, {self.device}", ""]
-        lines.append(f"T=0  {g.prompts} prompts x {g.max_new_tokens} new tokens against vanilla: {g.identical} "
-                     f"identical, {g.count(NEAR_TIE)} near-ties, {g.count(REAL)} real divergences; "
-                     f"{g.accepted}/{g.drafted} drafts accepted")
+        lines.append(f"T=0  {_count(g.prompts, 'prompt')} x {g.max_new_tokens} new tokens against vanilla: "
+                     f"{g.identical} identical, {_count(g.count(NEAR_TIE), 'near-tie')}, "
+                     f"{_count(g.count(REAL), 'real divergence')}; {g.accepted}/{g.drafted} drafts accepted")
         lines.append(f"     near-tie tolerance for {self.dtype}: {g.relative_tolerance:.1e} x max|logit|")
         if g.divergences:
-            lines.append(f"     {'prompt':>6} {'token':>5} {'vanilla':>7} {'method':>7} {'top-2 margin':>12} "
+            lines.append(f"     {'prompt':>6} {'token':>5} {'vanilla':>14} {'method':>14} {'top-2 margin':>12} "
                          f"{'gap':>10} {'tolerance':>10} {'verify argmax':>13}  kind")
             for i, d in g.divergences:
                 gap = "-" if d.gap == float("inf") else f"{d.gap:.3g}"
                 verify = "-" if d.verify_argmax is None else f"{d.verify_argmax} (k={d.verify_width})"
-                lines.append(f"     {i:>6} {d.position:>5} {_tok(d.vanilla_token):>7} {_tok(d.method_token):>7} "
-                             f"{d.margin:>12.3g} {gap:>10} {d.tolerance:>10.3g} {verify:>13}  {d.kind}")
+                lines.append(f"     {i:>6} {d.position:>5} {_tok(d.vanilla_token, d.vanilla_text):>14} "
+                             f"{_tok(d.method_token, d.method_text):>14} {d.margin:>12.3g} {gap:>10} "
+                             f"{d.tolerance:>10.3g} {verify:>13}  {d.kind}")
         s = self.sampling
         if s is None:
             lines += ["", "T>0  not tested (temperature 0)"]
         else:
             filters = "".join([f", top-p {s.top_p:g}" if s.top_p < 1 else "", f", top-k {s.top_k}" if s.top_k else ""])
-            lines += ["", f"T={s.temperature:g}{filters}  {s.prefixes} prompts x {s.samples_per_prefix} samples of the "
-                          f"first {s.tokens} tokens through the method's loop; "
+            lines += ["", f"T={s.temperature:g}{filters}  {_count(s.prefixes, 'prompt')} x {s.samples_per_prefix} "
+                          f"samples of the first {s.tokens} tokens through the method's loop; "
                           f"{s.accepted}/{s.drafted} drafts accepted"]
             lines.append(f"     {'test':<24} {'method':>22} {'control':>22}")
             m, c = s.method, s.control
@@ -197,8 +199,14 @@ class CheckReport:
         return "\n".join(lines)
 
 
-def _tok(token: int | None) -> str:
-    return "end" if token is None else str(token)
+def _tok(token: int | None, text: str | None = None) -> str:
+    if token is None:
+        return "end"
+    return str(token) if text is None else f"{token} {text[:6]!r}"
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
 def _p(p: float | None) -> str:

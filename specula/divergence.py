@@ -67,6 +67,8 @@ class Divergence:
     verify_width: int | None = None
     verify_argmax: int | None = None
     shape_noise: float | None = None
+    vanilla_text: str | None = None  # the two tokens' vocabulary entries, when a caller with a tokenizer fills them in
+    method_text: str | None = None
 
     def as_dict(self) -> dict:
         return {k: (None if isinstance(v, float) and v == float("inf") else v) for k, v in asdict(self).items()}
