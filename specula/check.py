@@ -40,10 +40,12 @@ from typing import Any
 import torch
 
 from specula.acceptance import Acceptance
+from specula.api import DEFAULT_TARGET, Speculator, load
 from specula.check_report import CheckReport, GreedyResult, SamplingResult
 from specula.decoding import GenerationStats, generate_tokens
 from specula.distribution_test import MIN_EXPECTED, fit, likely_sequences, token_statistics
 from specula.divergence import explain, first_difference, relative_tolerance
+from specula.drafters.vanilla import VanillaDrafter
 from specula.errors import SpeculaError
 from specula.sampling import SamplingParams
 from specula.tree import DraftTree
@@ -143,17 +145,17 @@ def check_greedy(speculator, vanilla, prompts: list[torch.Tensor], max_new_token
     return result
 
 
-def _sample(speculator, acceptor, ids: torch.Tensor, params: SamplingParams, tokens: int, seeds: range,
-            counts: list[int]) -> list[tuple[int, ...]]:
-    """The first ``tokens`` new tokens of one loop run per seed; adds drafted/accepted counts to ``counts``."""
-    sequences = []
+def _sample(speculator, acceptor, ids: torch.Tensor, params: SamplingParams, tokens: int,
+            seeds: range) -> tuple[list[tuple[int, ...]], int, int]:
+    """(the first ``tokens`` new tokens of one loop run per seed, draft tokens proposed, draft tokens accepted)."""
+    sequences, drafted, accepted = [], 0, 0
     for seed in seeds:
         new, stats = generate_tokens(speculator.target, speculator.drafter, ids, tokens, params, seed=seed,
                                      stop_on_eos=False, acceptor=acceptor)
         sequences.append(tuple(new))
-        counts[0] += sum(stats.tree_sizes)
-        counts[1] += sum(stats.accepted_lengths)
-    return sequences
+        drafted += sum(stats.tree_sizes)
+        accepted += sum(stats.accepted_lengths)
+    return sequences, drafted, accepted
 
 
 def check_sampling(speculator, prompts: list[torch.Tensor], params: SamplingParams, samples: int, tokens: int,
@@ -161,19 +163,20 @@ def check_sampling(speculator, prompts: list[torch.Tensor], params: SamplingPara
     """Part 2: the distribution test of the method's loop and of the planted-error control."""
     control = ShiftedTemperatureAcceptor(speculator.acceptor)
     model = speculator.target.model
-    counts, ignored = [0, 0], [0, 0]
+    drafted = accepted = 0
     method_data, control_data = [], []
     for k, ids in enumerate(prompts):
-        seeds = range(seed + k * samples, seed + (k + 1) * samples)
-        drawn = _sample(speculator, speculator.acceptor, ids, params, tokens, seeds, counts)
-        planted = _sample(speculator, control, ids, params, tokens, seeds, ignored)
+        seeds = range(seed + k * samples, seed + (k + 1) * samples)  # the control reuses the method's seeds
+        drawn, proposed, kept = _sample(speculator, speculator.acceptor, ids, params, tokens, seeds)
+        planted, _, _ = _sample(speculator, control, ids, params, tokens, seeds)
+        drafted, accepted = drafted + proposed, accepted + kept
         exact = token_statistics(model, ids, drawn + planted, params)
         cells = likely_sequences(model, ids, params, tokens, MIN_EXPECTED / samples)
         method_data.append((drawn, exact, cells))
         control_data.append((planted, exact, cells))
     description = f"the method's acceptor judging against the target at {CONTROL_FACTOR:g} x T"
     return SamplingResult(params.temperature, params.top_p, params.top_k, alpha, len(prompts), samples, tokens,
-                          counts[0], counts[1], fit(method_data), fit(control_data), description)
+                          drafted, accepted, fit(method_data), fit(control_data), description)
 
 
 def check(target: str | Path | None = None, method: str = "vanilla", draft: str | Path | None = None, *,
@@ -200,12 +203,8 @@ def check(target: str | Path | None = None, method: str = "vanilla", draft: str 
     if not texts or any(not isinstance(t, str) or not t.strip() for t in texts):
         raise SpeculaError("prompts must be a non-empty list of non-empty strings")
     if speculator is None:
-        import specula
-
-        load_target = target if target is not None else specula.api.DEFAULT_TARGET
-        speculator = specula.load(load_target, method=method, draft=draft, dtype=dtype, device=device, **options)
-    from specula.api import Speculator
-    from specula.drafters.vanilla import VanillaDrafter
+        speculator = load(target if target is not None else DEFAULT_TARGET, method=method, draft=draft, dtype=dtype,
+                          device=device, **options)
 
     vanilla = Speculator(speculator.target, "vanilla", VanillaDrafter())
     greedy_ids = [encode_prompt(speculator, t, max_new_tokens) for t in texts[:n]]
