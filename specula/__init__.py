@@ -1,9 +1,11 @@
 """Specula: lossless speculative decoding for Hugging Face causal language models."""
 
 from specula.api import Generation, Speculator, StreamChunk
+from specula.certify import check
 from specula.errors import SpeculaError
 from specula.methods import build_speculator, load
 from specula.sampling import SamplingParams
 
-__all__ = ["Generation", "build_speculator", "SamplingParams", "SpeculaError", "Speculator", "StreamChunk", "load"]
+__all__ = ["Generation", "SamplingParams", "SpeculaError", "Speculator", "StreamChunk", "build_speculator", "check",
+           "load"]
 __version__ = "0.1.0"

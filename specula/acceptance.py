@@ -68,25 +68,28 @@ def accept_speculative(tree: DraftTree, target_logits: torch.Tensor, params: Sam
             x = tokens[child]
             u = torch.rand((), generator=generator, device=p.device)
             q = None if tree.draft_probs is None else tree.draft_probs[child].to(p.device)
-            if q is None:
-                if u < p[x]:
-                    moved = True
-                    break
-                p = p.clone()
-                p[x] = 0.0
-            else:
-                if u * q[x] < p[x]:
-                    moved = True
-                    break
-                residual = torch.clamp(p - q, min=0.0)
-                # Zero residual mass happens only when p == q, where rejection has probability 0.
-                if residual.sum() > 0:
-                    p = residual
-            p = p / p.sum()
+            if u * (1.0 if q is None else q[x]) < p[x]:
+                moved = True
+                break
+            p = residual(p, q, x)
         if not moved:
             return Acceptance(path, sample(p, generator))
         node = child
         path.append(node)
+
+
+def residual(p: torch.Tensor, q: torch.Tensor | None, x: int) -> torch.Tensor:
+    """What a rejected draft token ``x`` leaves of ``p`` [V]: norm(max(0, p - q)), or for a point-mass
+    proposal (``q`` None) p with p(x) set to 0 and renormalised."""
+    if q is None:
+        p = p.clone()
+        p[x] = 0.0
+    else:
+        left = torch.clamp(p - q, min=0.0)
+        # Zero residual mass happens only when p == q, where rejection has probability 0.
+        if left.sum() > 0:
+            p = left
+    return p / p.sum()
 
 
 class Acceptor:

@@ -19,7 +19,8 @@ for its fields. The definitions:
 - calibration (EAGLE-2 Fig. 6): tested draft tokens binned by the drafter's own
   probability of the token given its parent; a bin's acceptance rate is the
   fraction of its tokens on the accepted path;
-- greedy equality: at T=0, the fraction of questions whose tokens equal vanilla's.
+- greedy equality: at T=0, the fraction of questions whose tokens equal vanilla's; the others are
+  split into near-ties and real divergences (`specula.bench.divergences`, the check's classifier).
 """
 
 from __future__ import annotations
@@ -105,6 +106,15 @@ def greedy_equality(method_records: Iterable[dict], baseline_records: Iterable[d
     return sum(a == b for a, b in pairs) / len(pairs) if pairs else None
 
 
+def greedy_divergences(records: Iterable[dict]) -> dict | None:
+    """{"near_ties": n, "real": m} over the records' classified divergences; None when none was classified."""
+    judged = [r["divergence"] for r in records if "divergence" in r]
+    if not judged:
+        return None
+    kinds = [d["kind"] for d in judged if d is not None]
+    return {"near_ties": kinds.count("near-tie"), "real": kinds.count("real")}
+
+
 def time_shares(records: Iterable[dict]) -> tuple[float | None, float | None]:
     """Fractions of the wall time spent drafting and verifying (None when the runner cannot tell)."""
     records = [r for r in records if r.get("draft_time") is not None]
@@ -178,6 +188,7 @@ def summarize(records: list[dict], baseline: list[dict] | None, greedy: bool) ->
         "peak_rss_mb": max(rss) if rss else None,
         "cuda_peak_mb": max(cuda) if cuda else None,
         "greedy_equal": greedy_equality(records, baseline) if greedy and baseline else None,
+        "greedy_divergences": greedy_divergences(records) if greedy and baseline else None,
         "repetition": statistics.fmean(r["repetition"] for r in records) if records else None,
         "calibration": merge_calibration(r.get("calibration") for r in records),
     }

@@ -14,8 +14,9 @@ new_tokens, wall_time, cycles, draft/verify/prefill time, accepted_lengths,
 stop_reason), and totals new_tokens, wall_time, tokens_per_s, cycles, tau,
 draft_time, verify_time, depth_tried, depth_accepted (per cycle, n-α),
 node_depth_tried, node_depth_accepted (per tested draft node), calibration,
-rss_mb, cuda_peak_mb, repetition. Records written before a field existed lack
-it and count as "no data" for it, so older results.json files still resume.
+rss_mb, cuda_peak_mb, repetition; at T=0 for methods other than the baseline, divergence (None when
+equal to the baseline, else where and why it differs: `specula.bench.divergences`). Records written
+before a field existed lack it and count as "no data" for it, so older results.json files still resume.
 """
 
 from __future__ import annotations
@@ -200,6 +201,7 @@ def run_bench(settings: BenchSettings) -> dict:
     """Run (or resume) the benchmark; writes results.json, results.md and the plots; returns the results."""
     from tqdm import tqdm
 
+    from specula.bench.divergences import annotate_divergences
     from specula.bench.report import write_report
     from specula.bench.runners import conversation_ids, make_runner, max_rss_mb, rss_mb
     from specula.target import Target
@@ -286,8 +288,9 @@ def run_bench(settings: BenchSettings) -> dict:
     labels = list(run_settings["methods"])
     hf_labels = [label for label, spec in run_settings["methods"].items() if spec["method"].startswith("hf")]
     results["peak_rss_mb"] = round(max_rss_mb(), 1)
-    results["aggregates"] = aggregate(records, labels, baseline=_baseline_label(run_settings["methods"]),
-                                      hf_methods=hf_labels)
+    baseline = _baseline_label(run_settings["methods"])
+    annotate_divergences(records, target, {q.uid: q for q in settings.questions}, baseline, max_prompt_tokens)
+    results["aggregates"] = aggregate(records, labels, baseline=baseline, hf_methods=hf_labels)
     write_json(path, results)
     write_report(results, out)
     return results

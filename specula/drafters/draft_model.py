@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from specula.errors import SpeculaError
-from specula.sampling import SamplingParams, probabilities
+from specula.sampling import SamplingParams, probabilities, sample
 from specula.target import FeatureRequest, ForwardOutput, Target
 from specula.tree import DraftTree
 
@@ -64,7 +64,7 @@ class DraftModelDrafter:
                 confidences.append(float(torch.softmax(logits.float(), dim=-1)[token]))
             else:
                 q = probabilities(logits, params)
-                token = int(torch.multinomial(q, 1, generator=generator))
+                token = sample(q, generator)
                 dists.append(q)
                 confidences.append(float(q[token]))
             drafts.append(token)
