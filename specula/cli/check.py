@@ -23,7 +23,7 @@ def add_check_parser(subparsers: argparse._SubParsersAction) -> None:
                     "distribution test of the method's loop against the target's exact probabilities, with its "
                     "power shown by a planted error that must be rejected. Exit 0 certified, 1 NOT lossless, "
                     "3 inconclusive, 2 bad input.")
-    add_model_arguments(p, DEFAULT_TARGET)
+    add_model_arguments(p, DEFAULT_TARGET, method_required=True)
     p.add_argument("--prompts", type=Path, metavar="FILE",
                    help="JSONL of {\"prompt\": ...} records (default: a bundled set of 8 chat prompts)")
     p.add_argument("--n", type=positive_int, default=8, metavar="N",

@@ -86,10 +86,14 @@ def method_options(args: argparse.Namespace) -> dict:
     return {**given, "acceptance": args.acceptance}
 
 
-def add_model_arguments(p: argparse.ArgumentParser, default_target: Path) -> None:
-    """The target, the method and its draft, and how to load them: shared by generate, chat and serve."""
+def add_model_arguments(p: argparse.ArgumentParser, default_target: Path, method_required: bool = False) -> None:
+    """The target, the method and its draft, and how to load them: shared by generate, chat, check and serve."""
     p.add_argument("--target", type=Path, default=default_target, metavar="MODEL", help=TARGET_HELP)
-    p.add_argument("--method", choices=tuple(METHODS), default="vanilla", help="decoding method (default: %(default)s)")
+    if method_required:
+        p.add_argument("--method", choices=tuple(METHODS), required=True, help="decoding method")
+    else:
+        p.add_argument("--method", choices=tuple(METHODS), default="vanilla",
+                       help="decoding method (default: %(default)s)")
     p.add_argument("--draft", type=Path, metavar="DIR",
                    help="draft model (sps) or head directory (eagle*, medusa, ada); bundled targets have defaults")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help="(default: %(default)s, as stored)")
