@@ -106,6 +106,7 @@ class Throttled:
         self.gate = threading.Event()
         self.gate.set()
         self.delay = delay
+        self.explode = False  # raise inside the model after the first chunk
         self.streams: list[dict] = []
 
     def __getattr__(self, name):
@@ -119,6 +120,8 @@ class Throttled:
                 if not self.gate.wait(WAIT_S):
                     raise RuntimeError("the test never opened the gate")
                 time.sleep(self.delay)
+                if self.explode and record["chunks"]:
+                    raise RuntimeError("the model broke")
                 record["chunks"] += 1
                 yield chunk
             record["ended"] = True
@@ -283,6 +286,7 @@ def with_(body: dict, **changes) -> bytes:
     ("/v1/completions", with_(COMPLETION, n=2), 400, "n", "unsupported"),
     ("/v1/completions", with_(COMPLETION, seed=-1), 400, "seed", None),
     ("/v1/completions", with_(COMPLETION, stop=[""]), 400, "stop", None),
+    ("/v1/completions", with_(COMPLETION, stop=[f"s{i}" for i in range(17)]), 400, "stop", None),
     ("/v1/chat/completions", with_(CHAT, messages=[]), 400, "messages", None),
     ("/v1/no/such/endpoint", b"{}", 404, None, None),
 ])
@@ -362,6 +366,30 @@ def test_a_client_leaving_mid_stream_frees_the_worker():
         left = throttled.streams[0]
         assert left.get("closed") and not left["ended"] and left["chunks"] < 400
         assert metric_samples(running)[("specula_generations_total", (("finish_reason", "cancelled"),))] == 1
+
+
+def test_a_client_leaving_before_a_whole_response_frees_the_worker():
+    throttled = Throttled(load(), delay=0.02)
+    with running_server(create_app(throttled)) as running:
+        with http_for(running) as http, pytest.raises(httpx.ReadTimeout):
+            http.post("/v1/completions", json={**COMPLETION, "max_tokens": 400}, timeout=0.5)
+        after = client_for(running).completions.create(model=MODEL, prompt="Hi", max_tokens=3, temperature=0)
+        assert after.usage.completion_tokens == 3
+        assert throttled.streams[0].get("closed") and not throttled.streams[0]["ended"]
+
+
+def test_a_failing_generation_is_a_500_and_the_server_goes_on():
+    throttled = Throttled(load())
+    with running_server(create_app(throttled)) as running:
+        client = client_for(running)
+        throttled.explode = True
+        with pytest.raises(openai.InternalServerError):
+            client.completions.create(model=MODEL, prompt="Hi", max_tokens=5, temperature=0)
+        with pytest.raises(openai.APIError, match="failed while generating"):
+            list(client.completions.create(model=MODEL, prompt="Hi", max_tokens=5, temperature=0, stream=True))
+        throttled.explode = False
+        assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=5).usage.completion_tokens == 5
+        assert metric_samples(running)[("specula_generations_total", (("finish_reason", "error"),))] == 2
 
 
 def test_sigterm_lets_in_flight_requests_finish_and_refuses_new_ones():

@@ -317,12 +317,13 @@ async def serve(state: ServerState, request: Request, body, ids: list[int], pref
 async def collect(stream, request: Request) -> tuple[str, Finished | None]:
     """All the text of a non-streamed request; (text, None) if its client disconnected first."""
     parts: list[str] = []
+    checked = time.monotonic()
     while True:
         event = await stream.get(timeout=DISCONNECT_POLL_S)
-        if event is None:
+        if time.monotonic() - checked >= DISCONNECT_POLL_S:  # events may never pause: check by the clock
             if await request.is_disconnected():
                 return "".join(parts), None
-            continue
+            checked = time.monotonic()
         if isinstance(event, TextDelta):
             parts.append(event.text)
         elif isinstance(event, Finished):

@@ -6,6 +6,7 @@ signal stops at once. `running_server` starts one in a background thread (tests,
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -29,6 +30,10 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
             return
         self.state.draining = True  # new requests: 503; on_tick stops the server once the engine is idle
+        engine = self.state.engine
+        waiting = (engine.queue_length + engine.batch_size) if engine is not None else 0
+        logging.getLogger("uvicorn.error").info(
+            "Draining: %d request(s) in flight finish first, new ones get 503 (signal again to stop now)", waiting)
 
     async def on_tick(self, counter: int) -> bool:
         if self.state.draining and self.state.idle:

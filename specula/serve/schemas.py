@@ -14,6 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from specula.serve.errors import APIError, bad_request
 
+MAX_STOPS = 16
+
 
 class _Request(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
@@ -52,6 +54,8 @@ class _Sampling(_Request):
 
     def stop_strings(self) -> tuple[str, ...]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > MAX_STOPS:  # each is searched at every cycle: a long list would slow the worker for all
+            raise bad_request(f"at most {MAX_STOPS} stop strings, got {len(stops)}", param="stop")
         if any(not s for s in stops):
             raise bad_request("stop strings must not be empty", param="stop")
         return tuple(stops)
