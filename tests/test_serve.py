@@ -323,6 +323,14 @@ def test_api_key_is_required_when_set():
         assert right.completions.create(model=MODEL, prompt="Hi", max_tokens=3).usage.completion_tokens == 3
 
 
+def test_a_factory_is_loaded_when_the_server_starts():
+    loaded = []
+    with running_server(create_app(lambda: loaded.append(load()) or loaded[0],
+                                   ServeSettings(model_name="tiny"))) as running:
+        assert len(loaded) == 1
+        assert [m.id for m in client_for(running).models.list()] == ["tiny"]
+
+
 def test_models_lists_the_served_name(client):
     assert [m.id for m in client.models.list()] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
