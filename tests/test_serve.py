@@ -320,15 +320,21 @@ def test_api_key_is_required_when_set():
             assert http.get("/health").status_code == 200  # health and metrics stay open for probes
         right = client_for(running, api_key="sekrit")
         assert [m.id for m in right.models.list()] == [MODEL]
-        assert right.completions.create(model=MODEL, prompt="Hi", max_tokens=3).usage.completion_tokens == 3
+        served = right.completions.create(model=MODEL, prompt="Hi", max_tokens=3, temperature=0)
+        assert served.usage.completion_tokens == 3
 
 
-def test_a_factory_is_loaded_when_the_server_starts():
+def test_a_factory_is_loaded_at_start_and_settings_name_the_model_and_cap_max_tokens():
     loaded = []
     with running_server(create_app(lambda: loaded.append(load()) or loaded[0],
-                                   ServeSettings(model_name="tiny"))) as running:
+                                   ServeSettings(model_name="tiny", max_tokens_limit=10))) as running:
         assert len(loaded) == 1
-        assert [m.id for m in client_for(running).models.list()] == ["tiny"]
+        client = client_for(running)
+        assert [m.id for m in client.models.list()] == ["tiny"]
+        capped = client.completions.create(model="tiny", prompt="Hi", temperature=0)  # default 16, capped to 10
+        assert capped.usage.completion_tokens == 10
+        with pytest.raises(openai.BadRequestError, match="<= 10"):
+            client.completions.create(model="tiny", prompt="Hi", max_tokens=11)
 
 
 def test_models_lists_the_served_name(client):
@@ -396,7 +402,8 @@ def test_a_failing_generation_is_a_500_and_the_server_goes_on():
         with pytest.raises(openai.APIError, match="failed while generating"):
             list(client.completions.create(model=MODEL, prompt="Hi", max_tokens=5, temperature=0, stream=True))
         throttled.explode = False
-        assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=5).usage.completion_tokens == 5
+        served = client.completions.create(model=MODEL, prompt="Hi", max_tokens=5, temperature=0)
+        assert served.usage.completion_tokens == 5
         assert metric_samples(running)[("specula_generations_total", (("finish_reason", "error"),))] == 2
 
 
@@ -404,10 +411,10 @@ def test_sigterm_lets_in_flight_requests_finish_and_refuses_new_ones():
     throttled = Throttled(load())
     with running_server(create_app(throttled)) as running:
         client = client_for(running)
+        throttled.gate.clear()  # the generation waits at its first token until the shutdown has begun
         stream = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=20, temperature=0,
                                            stream=True)
-        wait_until(lambda: throttled.streams and throttled.streams[0]["chunks"] >= 1, "generation started")
-        throttled.gate.clear()
+        wait_until(lambda: throttled.streams, "generation started")
         running.handle_exit(signal.SIGTERM, None)
         with http_for(running) as http:
             refused = http.post("/v1/completions", json=COMPLETION)

@@ -248,8 +248,7 @@ def check_request(state: ServerState, body) -> None:
                           param="model", code="model_not_found")
     if body.n not in (None, 1):
         raise bad_request(f"n must be 1, got {body.n}", param="n", code="unsupported")
-    temperature = 1.0 if body.temperature is None else body.temperature
-    top_p = 1.0 if body.top_p is None else body.top_p
+    temperature, top_p = body.sampling()
     if not (math.isfinite(temperature) and temperature >= 0):
         raise bad_request(f"temperature must be >= 0 and finite, got {temperature}", param="temperature")
     if not (0 < top_p <= 1):  # NaN fails too
@@ -265,24 +264,23 @@ def check_request(state: ServerState, body) -> None:
 
 def generation_request(state: ServerState, body, ids: list[int], chat: bool) -> GenerationRequest:
     """The checked settings of ``body`` for prompt ``ids``: max_tokens against the limit and the context."""
-    temperature = 1.0 if body.temperature is None else body.temperature
-    top_p = 1.0 if body.top_p is None else body.top_p
+    temperature, top_p = body.sampling()
     context = state.speculator.target.max_length
     room = context - len(ids)
     if room < 1:
         raise bad_request(f"the prompt has {len(ids)} tokens; this model's context is {context} tokens",
                           param="messages" if chat else "prompt", code="context_length_exceeded")
     limit = state.settings.max_tokens_limit or context
-    asked = body.token_limit()
+    field, asked = body.token_limit()
     if asked is None:
         max_tokens = min(room, limit) if chat else min(DEFAULT_COMPLETION_TOKENS, room, limit)
     elif asked < 1:
-        raise bad_request(f"max_tokens must be >= 1, got {asked}", param="max_tokens")
+        raise bad_request(f"{field} must be >= 1, got {asked}", param=field)
     elif asked > limit:
-        raise bad_request(f"max_tokens must be <= {limit} on this server, got {asked}", param="max_tokens")
+        raise bad_request(f"{field} must be <= {limit} on this server, got {asked}", param=field)
     elif asked > room:
-        raise bad_request(f"this model's context is {context} tokens; the prompt has {len(ids)} and max_tokens "
-                          f"asks for {asked} more", param="max_tokens", code="context_length_exceeded")
+        raise bad_request(f"this model's context is {context} tokens; the prompt has {len(ids)} and {field} "
+                          f"asks for {asked} more", param=field, code="context_length_exceeded")
     else:
         max_tokens = asked
     return GenerationRequest(tuple(ids), max_tokens, temperature, top_p, body.seed, body.stop_strings())

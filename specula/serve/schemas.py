@@ -52,6 +52,10 @@ class _Sampling(_Request):
     stream_options: StreamOptions | None = None
     user: str | None = None
 
+    def sampling(self) -> tuple[float, float]:
+        """(temperature, top_p) with the OpenAI API's defaults (1.0, 1.0)."""
+        return (1.0 if self.temperature is None else self.temperature, 1.0 if self.top_p is None else self.top_p)
+
     def stop_strings(self) -> tuple[str, ...]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stops) > MAX_STOPS:  # each is searched at every cycle: a long list would slow the worker for all
@@ -65,8 +69,11 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None  # the newer name of max_tokens
 
-    def token_limit(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+    def token_limit(self) -> tuple[str, int | None]:
+        """The field that limits the answer's tokens and its value."""
+        if self.max_completion_tokens is not None:
+            return "max_completion_tokens", self.max_completion_tokens
+        return "max_tokens", self.max_tokens
 
 
 class CompletionRequest(_Sampling):
@@ -76,8 +83,8 @@ class CompletionRequest(_Sampling):
     best_of: int | None = None
     logprobs: int | None = None
 
-    def token_limit(self) -> int | None:
-        return self.max_tokens
+    def token_limit(self) -> tuple[str, int | None]:
+        return "max_tokens", self.max_tokens
 
 
 class Usage(BaseModel):
