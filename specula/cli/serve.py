@@ -1,0 +1,82 @@
+"""`specula serve`: an OpenAI-compatible HTTP server (chat completions, completions, models, health, metrics)."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import sys
+
+from specula.cli.common import (
+    PROG,
+    add_method_arguments,
+    add_model_arguments,
+    method_options,
+    positive_int,
+)
+from specula.errors import SpeculaError
+from specula.methods import DEFAULT_TARGET, build_speculator
+
+API_KEY_ENV = "SPECULA_API_KEY"
+
+
+def port_number(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected a port number, got '{text}'") from err
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is in [0, 65535], got {value}")
+    return value
+
+
+def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("serve", help="serve a model over the OpenAI API (chat completions, completions)",
+                              description="Serve one target and decoding method over an OpenAI-compatible HTTP API: "
+                                          "/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics. "
+                                          "Requests are queued and decoded one at a time.")
+    add_model_arguments(p, DEFAULT_TARGET)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default: %(default)s, this machine only)")
+    p.add_argument("--port", type=port_number, default=8000, help="(default: %(default)s)")
+    p.add_argument("--api-key", metavar="KEY", default=os.environ.get(API_KEY_ENV),
+                   help=f"require 'Authorization: Bearer KEY' on /v1 requests (default: ${API_KEY_ENV}, else none)")
+    p.add_argument("--max-queue", type=positive_int, default=64, metavar="N",
+                   help="requests that may wait for the decoder; more get HTTP 429 (default: %(default)s)")
+    p.add_argument("--max-tokens-limit", type=positive_int, metavar="N",
+                   help="largest max_tokens a request may ask for (default: the model's context)")
+    p.add_argument("--model-name", metavar="NAME", help="the model id clients send (default: the target's name)")
+    p.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info",
+                   help="uvicorn's log level (default: %(default)s)")
+    add_method_arguments(p)
+    p.set_defaults(handler=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    if args.api_key is not None and not args.api_key.strip():
+        raise SpeculaError("--api-key must not be empty")
+    if args.model_name is not None and not args.model_name.strip():
+        raise SpeculaError("--model-name must not be empty")
+    try:  # the server's libraries load only for this command
+        from specula.serve import ServeSettings, create_app, serve
+    except ImportError as err:
+        raise SpeculaError(f"specula serve needs fastapi, uvicorn and prometheus-client ({err}); "
+                           "pip install fastapi uvicorn prometheus-client") from err
+    if args.api_key is None and not is_loopback(args.host):
+        print(f"{PROG}: warning: listening on {args.host} without --api-key: anyone who can reach it can use it",
+              file=sys.stderr)
+    speculator = build_speculator(args.target, method=args.method, draft=args.draft, dtype=args.dtype,
+                                  device=args.device, profile=not args.no_profile, **method_options(args))
+    settings = ServeSettings(model_name=args.model_name, api_key=args.api_key, max_queue=args.max_queue,
+                             max_tokens_limit=args.max_tokens_limit)
+    serve(create_app(speculator, settings), host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -1,0 +1,498 @@
+"""`specula serve`: the OpenAI API as the official `openai` client sees it, against servers this module starts on
+free ports of 127.0.0.1 (uvicorn in a background thread) over stories260k.
+
+Pinned: completions and chat completions (through the chat template), streamed and whole, equal at T=0 to
+`specula generate`; stop strings; the OpenAI error schema and status of every refusal; the API key; a bounded
+queue (429); a client leaving mid-stream frees the worker; a graceful shutdown (in-flight requests finish, new
+ones get 503); concurrent clients neither fail nor change each other's output; Prometheus metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+from conftest import STORIES, STORY_PROMPTS
+from prometheus_client.parser import text_string_to_metric_families
+
+import specula
+from specula.cli import main
+from specula.serve import ServeSettings, create_app, running_server
+from specula.serve.stops import StopMatcher
+
+MODEL = "stories260k"
+WAIT_S = 30.0  # bound on every wait in this file
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def load(method: str = "vanilla", target=STORIES):
+    return specula.load(target, method=method, dtype="float32", profile=False)
+
+
+def client_for(server, api_key: str = "none") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key=api_key, max_retries=0,
+                         timeout=WAIT_S)
+
+
+def http_for(server, **kwargs) -> httpx.Client:
+    return httpx.Client(base_url=f"http://127.0.0.1:{server.port}", timeout=WAIT_S, **kwargs)
+
+
+def wait_until(condition, what: str) -> None:
+    for _ in range(int(WAIT_S / 0.01)):
+        if condition():
+            return
+        time.sleep(0.01)
+    pytest.fail(f"timed out waiting until {what}")
+
+
+@pytest.fixture(scope="module")
+def server():
+    """Vanilla stories260k, default settings."""
+    with running_server(create_app(load())) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return client_for(server)
+
+
+@pytest.fixture(scope="module")
+def chat_target(tmp_path_factory):
+    """stories260k with a plain chat template in its tokenizer_config.json."""
+    directory = tmp_path_factory.mktemp("chat") / MODEL
+    shutil.copytree(STORIES, directory)
+    config_path = directory / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = CHAT_TEMPLATE
+    config_path.write_text(json.dumps(config))
+    return directory
+
+
+def cli_generate(capsys, method: str, prompt: str, max_new_tokens: int) -> str:
+    """`specula generate --json`'s text."""
+    capsys.readouterr()
+    assert main(["generate", "--target", str(STORIES), "--method", method, "--prompt", prompt, "--raw",
+                 "--max-new-tokens", str(max_new_tokens), "--dtype", "float32", "--no-profile", "--json"]) == 0
+    return json.loads(capsys.readouterr().out)["text"]
+
+
+def metric_samples(server) -> dict[tuple, float]:
+    """/metrics parsed as Prometheus text: {(sample name, sorted labels): value}."""
+    with http_for(server) as http:
+        response = http.get("/metrics")
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(response.text) for s in family.samples}
+
+
+class Throttled:
+    """A Speculator whose streams wait for ``gate`` (and ``delay`` seconds) before each chunk, recording for each
+    stream how many chunks it yielded and whether it was closed before its end."""
+
+    def __init__(self, speculator, delay: float = 0.0):
+        self.inner = speculator
+        self.gate = threading.Event()
+        self.gate.set()
+        self.delay = delay
+        self.explode = False  # raise inside the model after the first chunk
+        self.streams: list[dict] = []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def stream(self, *args, **kwargs):
+        record = {"chunks": 0, "ended": False}
+        self.streams.append(record)
+        try:
+            for chunk in self.inner.stream(*args, **kwargs):
+                if not self.gate.wait(WAIT_S):
+                    raise RuntimeError("the test never opened the gate")
+                time.sleep(self.delay)
+                if self.explode and record["chunks"]:
+                    raise RuntimeError("the model broke")
+                record["chunks"] += 1
+                yield chunk
+            record["ended"] = True
+        finally:
+            record["closed"] = True
+
+
+# ---------------------------------------------------------------- completions and chat, equal to specula generate
+
+
+@pytest.mark.parametrize("method", ["vanilla", "pld"])
+def test_completions_at_t0_equal_specula_generate_streamed_and_whole(method, capsys):
+    prompts = STORY_PROMPTS[:2]
+    expected = [cli_generate(capsys, method, prompt, 40) for prompt in prompts]
+    with running_server(create_app(load(method))) as running:
+        client = client_for(running)
+        for prompt, text in zip(prompts, expected, strict=True):
+            whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0)
+            assert whole.choices[0].text == text
+            assert whole.choices[0].finish_reason == "length"
+            prompt_tokens = len(load().encode(prompt, raw=True))
+            assert (whole.usage.prompt_tokens, whole.usage.completion_tokens, whole.usage.total_tokens) == (
+                prompt_tokens, 40, prompt_tokens + 40)
+            spec = whole.speculative  # the extra field, kept by the client as an attribute
+            assert spec["method"] == method and spec["cycles"] >= 1 and len(spec["accepted_lengths"]) == spec[
+                "cycles"] - 1
+            assert spec["tau"] == pytest.approx(40 / spec["cycles"], abs=1e-3)
+
+            pieces, finish = [], []
+            for chunk in client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0,
+                                                   stream=True):
+                pieces.append(chunk.choices[0].text)
+                finish.append(chunk.choices[0].finish_reason)
+            assert "".join(pieces) == text
+            assert finish[-1] == "length" and set(finish[:-1]) == {None}
+
+
+def test_chat_completions_go_through_the_chat_template(chat_target):
+    messages = [{"role": "system", "content": "You tell stories."}, {"role": "user", "content": "A story, please."}]
+    reference = load(target=chat_target)
+    expected = reference.generate(messages=messages, max_new_tokens=30)
+    assert reference.encode(messages=messages).tolist() == reference.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True)["input_ids"]
+    with running_server(create_app(load(target=chat_target))) as running:
+        client = client_for(running)
+        whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=30, temperature=0)
+        assert whole.object == "chat.completion"
+        assert whole.choices[0].message.role == "assistant"
+        assert whole.choices[0].message.content == expected.text
+        assert whole.usage.prompt_tokens == len(reference.encode(messages=messages))
+        assert whole.usage.completion_tokens == len(expected.token_ids)
+
+        chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=30, temperature=0,
+                                                     stream=True, stream_options={"include_usage": True}))
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
+        assert chunks[-2].choices[0].finish_reason == whole.choices[0].finish_reason
+        assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == whole.usage.total_tokens
+        # content parts ({"type": "text"}) are the same message as a string
+        parts = [messages[0], {"role": "user", "content": [{"type": "text", "text": "A story, "},
+                                                            {"type": "text", "text": "please."}]}]
+        same = client.chat.completions.create(model=MODEL, messages=parts, max_tokens=30, temperature=0)
+        assert same.choices[0].message.content == expected.text
+
+
+def test_chat_on_a_model_without_a_chat_template_is_a_400(client):
+    with pytest.raises(openai.BadRequestError, match="chat template"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5)
+
+
+def test_stream_is_server_sent_events_as_openai_sends_them(server):
+    with http_for(server) as http:
+        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 12, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}}
+        response = http.post("/v1/completions", json=body)
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/event-stream")
+    events = response.text.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    chunks = [json.loads(event.removeprefix("data: ")) for event in events[:-2]]
+    assert all(event.startswith("data: ") for event in events[:-1])
+    assert {c["object"] for c in chunks} == {"text_completion"} and len({c["id"] for c in chunks}) == 1
+    final, usage = chunks[-2], chunks[-1]
+    assert final["choices"][0]["finish_reason"] == "length" and final["speculative"]["method"] == "vanilla"
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 12
+    assert all(c["usage"] is None for c in chunks[:-1])
+
+
+# ---------------------------------------------------------------- stop strings
+
+
+@pytest.mark.parametrize("pieces, stops, emitted, stopped", [
+    (["Once upon", " a time"], ["a time"], "Once upon ", True),
+    (["Once up", "on a", " time"], ["upon"], "Once ", True),
+    (["ab", "ab", "c"], ["abc"], "ab", True),
+    (["xa", "ab"], ["aab"], "x", True),
+    (["hello", " world"], ["zzz"], "hello world", False),
+    (["one", "two"], ["two", "netw"], "o", True),
+])
+def test_stop_strings_cut_the_text_at_the_first_and_never_emit_part_of_one(pieces, stops, emitted, stopped):
+    matcher = StopMatcher(stops)
+    out, hit = "", False
+    for piece in pieces:
+        text, hit = matcher.push(piece)
+        out += text
+        if hit:
+            break
+    if not hit:
+        out += matcher.flush()
+    assert (out, hit) == (emitted, stopped)
+
+
+def test_stop_string_ends_the_completion_with_finish_reason_stop(client):
+    full = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=40, temperature=0)
+    text = full.choices[0].text
+    stop = text[10:16]
+    cut = text[:text.index(stop)]
+    whole = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=40, temperature=0,
+                                      stop=[stop, "no such text"])
+    assert (whole.choices[0].text, whole.choices[0].finish_reason) == (cut, "stop")
+    assert whole.usage.completion_tokens < 40
+    streamed = list(client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=40, temperature=0,
+                                              stop=stop, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == cut and streamed[-1].choices[0].finish_reason == "stop"
+
+
+# ---------------------------------------------------------------- errors
+
+
+COMPLETION = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4}
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
+
+
+def with_(body: dict, **changes) -> bytes:
+    return json.dumps({**body, **changes}).encode()
+
+
+@pytest.mark.parametrize("path, body, status, param, code", [
+    ("/v1/completions", b'{"model": "stories260k", "prompt": ', 400, None, None),
+    ("/v1/completions", b'["not", "an", "object"]', 400, None, None),
+    ("/v1/completions", with_(COMPLETION, temperature="hot"), 400, "temperature", None),
+    ("/v1/completions", with_(COMPLETION, max_tokens=1.5), 400, "max_tokens", None),
+    ("/v1/completions", with_(COMPLETION, stream="yes"), 400, "stream", None),
+    ("/v1/completions", with_(COMPLETION, prompt=7), 400, "prompt", None),
+    ("/v1/chat/completions", with_(CHAT, messages="Hi"), 400, "messages", None),
+    ("/v1/chat/completions", with_(CHAT, messages=[{"role": "user"}]), 400, "messages[0].content", None),
+    ("/v1/completions", with_(COMPLETION, model="gpt-4o"), 400, "model", "model_not_found"),
+    ("/v1/completions", json.dumps({"prompt": "Hi"}).encode(), 400, "model", None),
+    ("/v1/completions", with_(COMPLETION, max_tokens=0), 400, "max_tokens", None),
+    ("/v1/completions", with_(COMPLETION, max_tokens=-3), 400, "max_tokens", None),
+    ("/v1/completions", with_(COMPLETION, max_tokens=100_000), 400, "max_tokens", None),
+    ("/v1/completions", with_(COMPLETION, max_tokens=510), 400, "max_tokens", "context_length_exceeded"),
+    ("/v1/completions", with_(COMPLETION, prompt="Once " * 600), 400, "prompt", "context_length_exceeded"),
+    ("/v1/completions", with_(COMPLETION, temperature=-0.5), 400, "temperature", None),
+    ("/v1/completions", b'{"model": "stories260k", "prompt": "Hi", "temperature": NaN}', 400, "temperature", None),
+    ("/v1/completions", b'{"model": "stories260k", "prompt": "Hi", "temperature": Infinity}', 400, "temperature",
+     None),
+    ("/v1/completions", with_(COMPLETION, top_p=0), 400, "top_p", None),
+    ("/v1/completions", with_(COMPLETION, top_p=1.5), 400, "top_p", None),
+    ("/v1/completions", with_(COMPLETION, prompt=""), 400, "prompt", None),
+    ("/v1/completions", with_(COMPLETION, prompt=[600, 1]), 400, "prompt", None),
+    ("/v1/completions", with_(COMPLETION, n=2), 400, "n", "unsupported"),
+    ("/v1/completions", with_(COMPLETION, seed=-1), 400, "seed", None),
+    ("/v1/completions", with_(COMPLETION, stop=[""]), 400, "stop", None),
+    ("/v1/completions", with_(COMPLETION, stop=[f"s{i}" for i in range(17)]), 400, "stop", None),
+    ("/v1/chat/completions", with_(CHAT, messages=[]), 400, "messages", None),
+    ("/v1/no/such/endpoint", b"{}", 404, None, None),
+])
+def test_refusals_are_openai_errors_with_their_status(server, path, body, status, param, code):
+    with http_for(server) as http:
+        response = http.post(path, content=body, headers={"content-type": "application/json"})
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert (error["param"], error["code"]) == (param, code)
+    # the server is unharmed
+    with http_for(server) as http:
+        assert http.post("/v1/completions", json=COMPLETION).status_code == 200
+
+
+def test_the_openai_client_raises_its_own_error_types(client):
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.completions.create(model="gpt-4o", prompt="Hi", max_tokens=3)
+    assert raised.value.code == "model_not_found" and raised.value.param == "model"
+    with pytest.raises(openai.BadRequestError, match="top_p"):
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=3, top_p=2.0)
+
+
+def test_api_key_is_required_when_set():
+    with running_server(create_app(load(), ServeSettings(api_key="sekrit"))) as running:
+        with pytest.raises(openai.AuthenticationError):
+            client_for(running, api_key="wrong").models.list()
+        with http_for(running) as http:
+            refused = http.post("/v1/completions", json=COMPLETION)
+            assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+            assert http.get("/health").status_code == 200  # health and metrics stay open for probes
+        right = client_for(running, api_key="sekrit")
+        assert [m.id for m in right.models.list()] == [MODEL]
+        served = right.completions.create(model=MODEL, prompt="Hi", max_tokens=3, temperature=0)
+        assert served.usage.completion_tokens == 3
+
+
+def test_a_factory_is_loaded_at_start_and_settings_name_the_model_and_cap_max_tokens():
+    loaded = []
+    with running_server(create_app(lambda: loaded.append(load()) or loaded[0],
+                                   ServeSettings(model_name="tiny", max_tokens_limit=10))) as running:
+        assert len(loaded) == 1
+        client = client_for(running)
+        assert [m.id for m in client.models.list()] == ["tiny"]
+        capped = client.completions.create(model="tiny", prompt="Hi", temperature=0)  # default 16, capped to 10
+        assert capped.usage.completion_tokens == 10
+        with pytest.raises(openai.BadRequestError, match="<= 10"):
+            client.completions.create(model="tiny", prompt="Hi", max_tokens=11)
+
+
+def test_models_lists_the_served_name(client):
+    assert [m.id for m in client.models.list()] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")
+
+
+# ---------------------------------------------------------------- load, queue, disconnects, shutdown
+
+
+def test_full_queue_is_a_429_with_retry_after():
+    throttled = Throttled(load())
+    with running_server(create_app(throttled, ServeSettings(max_queue=1))) as running:
+        state = running.config.app.state.specula
+        throttled.gate.clear()
+        client = client_for(running)
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(client.completions.create, model=MODEL, prompt="Hi", max_tokens=3, temperature=0)
+            wait_until(lambda: state.engine.batch_size == 1, "the first request is generating")
+            second = pool.submit(client.completions.create, model=MODEL, prompt="Hi", max_tokens=3, temperature=0)
+            wait_until(lambda: state.engine.queue_length == 1, "the second request waits")
+            with http_for(running) as http:
+                refused = http.post("/v1/completions", json=COMPLETION)
+            throttled.gate.set()
+            assert first.result(WAIT_S).choices[0].text == second.result(WAIT_S).choices[0].text
+        assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["code"] == "queue_full"
+
+
+def test_a_client_leaving_mid_stream_frees_the_worker():
+    throttled = Throttled(load(), delay=0.02)  # 400 tokens would take 8 s: the stream is cut long before
+    with running_server(create_app(throttled)) as running:
+        client = client_for(running)
+        stream = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=400, temperature=0,
+                                           stream=True)
+        for _, _chunk in zip(range(3), stream, strict=False):
+            pass
+        stream.close()  # the connection goes
+        after = client.completions.create(model=MODEL, prompt="Hi", max_tokens=3, temperature=0)
+        assert after.usage.completion_tokens == 3
+        left = throttled.streams[0]
+        assert left.get("closed") and not left["ended"] and left["chunks"] < 400
+        assert metric_samples(running)[("specula_generations_total", (("finish_reason", "cancelled"),))] == 1
+
+
+def test_a_client_leaving_before_a_whole_response_frees_the_worker():
+    throttled = Throttled(load(), delay=0.02)
+    with running_server(create_app(throttled)) as running:
+        with http_for(running) as http, pytest.raises(httpx.ReadTimeout):
+            http.post("/v1/completions", json={**COMPLETION, "max_tokens": 400}, timeout=0.5)
+        after = client_for(running).completions.create(model=MODEL, prompt="Hi", max_tokens=3, temperature=0)
+        assert after.usage.completion_tokens == 3
+        assert throttled.streams[0].get("closed") and not throttled.streams[0]["ended"]
+
+
+def test_a_failing_generation_is_a_500_and_the_server_goes_on():
+    throttled = Throttled(load())
+    with running_server(create_app(throttled)) as running:
+        client = client_for(running)
+        throttled.explode = True
+        with pytest.raises(openai.InternalServerError):
+            client.completions.create(model=MODEL, prompt="Hi", max_tokens=5, temperature=0)
+        with pytest.raises(openai.APIError, match="failed while generating"):
+            list(client.completions.create(model=MODEL, prompt="Hi", max_tokens=5, temperature=0, stream=True))
+        throttled.explode = False
+        served = client.completions.create(model=MODEL, prompt="Hi", max_tokens=5, temperature=0)
+        assert served.usage.completion_tokens == 5
+        assert metric_samples(running)[("specula_generations_total", (("finish_reason", "error"),))] == 2
+
+
+def test_sigterm_lets_in_flight_requests_finish_and_refuses_new_ones():
+    throttled = Throttled(load())
+    with running_server(create_app(throttled)) as running:
+        client = client_for(running)
+        throttled.gate.clear()  # the generation waits at its first token until the shutdown has begun
+        stream = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=20, temperature=0,
+                                           stream=True)
+        wait_until(lambda: throttled.streams, "generation started")
+        running.handle_exit(signal.SIGTERM, None)
+        with http_for(running) as http:
+            refused = http.post("/v1/completions", json=COMPLETION)
+            assert http.get("/health").status_code == 503
+        throttled.gate.set()
+        chunks = list(stream)
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
+        assert chunks[-1].choices[0].finish_reason == "length"
+        assert throttled.streams[0]["ended"]
+        wait_until(lambda: running.should_exit, "the drained server stops")
+
+
+def test_concurrent_clients_all_succeed_with_the_output_they_would_get_alone(server, client):
+    reference, expected = load(), {}
+    jobs = []  # (client number, request kwargs)
+    for i in range(16):
+        for j in range(5):
+            prompt = STORY_PROMPTS[(i + j) % 6]
+            sampled = (i + j) % 3 == 0  # seeded sampling must not depend on the neighbours either
+            settings = dict(temperature=1.0, seed=(i + 2 * j) % 5) if sampled else dict(temperature=0.0, seed=None)
+            key = (prompt, settings["temperature"], settings["seed"])
+            if key not in expected:
+                expected[key] = reference.generate(prompt, max_new_tokens=8, raw=True, **settings).text
+            jobs.append((i, dict(prompt=prompt, max_tokens=8, stream=(i + j) % 2 == 0, **settings)))
+
+    def run_client(number: int) -> list[tuple[str, str]]:
+        results = []
+        for owner, kwargs in jobs:
+            if owner != number:
+                continue
+            if kwargs["stream"]:
+                text = "".join(c.choices[0].text for c in client.completions.create(model=MODEL, **kwargs))
+            else:
+                text = client.completions.create(model=MODEL, **kwargs).choices[0].text
+            results.append((text, expected[kwargs["prompt"], kwargs["temperature"], kwargs["seed"]]))
+        return results
+
+    with ThreadPoolExecutor(16) as pool:
+        outcomes = [future.result(WAIT_S * 4) for future in [pool.submit(run_client, n) for n in range(16)]]
+    pairs = [pair for outcome in outcomes for pair in outcome]
+    assert len(pairs) == 80
+    assert [got for got, _ in pairs] == [want for _, want in pairs]
+
+
+def test_metrics_are_prometheus_text_with_the_counters(server, client):
+    client.completions.create(model=MODEL, prompt="Hi", max_tokens=5, temperature=0)
+    with http_for(server) as http:
+        http.post("/v1/completions", json={**COMPLETION, "model": "nope"})
+    samples = metric_samples(server)
+    assert samples[("specula_requests_total", (("endpoint", "/v1/completions"), ("status", "200")))] >= 1
+    assert samples[("specula_requests_total", (("endpoint", "/v1/completions"), ("status", "400")))] >= 1
+    assert samples[("specula_generated_tokens_total", ())] >= 5
+    assert samples[("specula_tau_count", ())] >= 1
+    assert samples[("specula_generations_total", (("finish_reason", "length"),))] >= 1
+    assert ("specula_queue_length", ()) in samples and ("specula_batch_size", ()) in samples
+
+
+# ---------------------------------------------------------------- the command line
+
+
+def test_serve_command_listens_on_localhost_with_the_settings_given(monkeypatch):
+    import specula.serve
+
+    served = {}
+    monkeypatch.setattr(specula.serve, "serve", lambda app, **where: served.update(app=app, **where))
+    assert main(["serve", "--target", str(STORIES), "--method", "pld", "--dtype", "float32", "--api-key", "k",
+                 "--max-queue", "3", "--max-tokens-limit", "50", "--model-name", "tiny", "--no-profile"]) == 0
+    settings = served["app"].state.specula.settings
+    assert (served["host"], served["port"]) == ("127.0.0.1", 8000)
+    assert (settings.api_key, settings.max_queue, settings.max_tokens_limit, settings.model_name) == ("k", 3, 50,
+                                                                                                       "tiny")
+
+
+def test_serve_command_refuses_bad_options_before_loading(monkeypatch, capsys):
+    from specula.target import Target
+
+    monkeypatch.setattr(Target, "load", classmethod(lambda cls, *a, **k: pytest.fail("a model was loaded")))
+    assert main(["serve", "--target", str(STORIES), "--method", "pld", "--pld-max-ngram", "0"]) == 2
+    assert main(["serve", "--max-queue", "0"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 2 and all(line.startswith("specula: error:") for line in lines)
