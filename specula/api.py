@@ -66,6 +66,8 @@ class Speculator:
         conversation; ``raw=True`` (or a tokenizer without a template) tokenizes text the way
         `transformers` would (special tokens added). Token ids are used as they are.
         """
+        for text in [prompt, system, *(m.get("content") for m in messages or [] if isinstance(m, dict))]:
+            _check_text(text)
         ids = chat_ids(self.tokenizer, prompt, messages, system, raw)
         if ids is None and isinstance(prompt, str):
             if not prompt.strip():
@@ -112,3 +114,12 @@ class Speculator:
                                  messages=messages, system=system, raw=raw):
             ids.extend(chunk.token_ids)
         return Generation(self.tokenizer.decode(ids, skip_special_tokens=True), ids, stats)
+
+
+def _check_text(text: object) -> None:
+    """Text must be encodable as UTF-8 (command-line bytes that are not UTF-8 arrive as lone surrogates)."""
+    if isinstance(text, str):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise SpeculaError(f"the prompt is not valid UTF-8 text (at character {err.start})") from None

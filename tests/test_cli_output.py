@@ -53,3 +53,18 @@ def test_bench_refuses_to_write_into_a_model_directory(tmp_path, capsys):
     code = main(["bench", "--target", str(STORIES), "--methods", "vanilla", "--limit", "1", "--out", str(model)])
     assert code == 2 and "holds a model" in capsys.readouterr().err
     assert sorted(p.name for p in model.iterdir()) == ["config.json"]
+
+
+def test_a_prompt_that_is_not_utf8_is_one_error_line(capsys):
+    assert main([*GENERATE[:3], "--prompt", "Once \udcff upon"]) == 2  # how Python passes a non-UTF-8 argv byte
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not valid UTF-8" in err
+
+
+@pytest.mark.parametrize("option", [["--method", "eagle2", "--tree-top-k", "600", "--tree-total-tokens", "5"],
+                                    ["--method", "eagle", "--tree-choices", "[[0],[700]]"]])
+def test_more_children_than_the_head_can_draft_is_refused_before_generating(capsys, option):
+    head = Path(__file__).parent / "data" / "eagle-stories260k"
+    assert main([*GENERATE, "--draft", str(head), *option]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1 and "the 512 tokens the head drafts" in captured.err

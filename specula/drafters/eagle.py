@@ -88,6 +88,12 @@ class EagleDrafter:
         self.choices = sorted(choices or DEFAULT_CHOICES, key=lambda path: (len(path), path))
         if min(self.total_tokens, self.depth, self.top_k) < 1:
             raise SpeculaError("eagle2 needs total_tokens, depth and top_k >= 1")
+        # Checked here, not mid-generation: the tokens a head can draft bound the children per node.
+        draftable = int(getattr(head, "draft_vocab_size", target.vocab_size))
+        widest = self.top_k if dynamic else 1 + max(path[-1] for path in self.choices)
+        if widest > draftable:
+            what = f"top_k {self.top_k}" if dynamic else f"a tree rank of {widest - 1}"
+            raise SpeculaError(f"{what} asks for more children per node than the {draftable} tokens the head drafts")
         self.cache = head.new_cache(target.max_length + self.total_tokens + 64)
         self.pending: torch.Tensor | None = None  # target features not yet paired with their next token
 
