@@ -21,6 +21,7 @@ from specula.cli.check import add_check_parser
 from specula.cli.common import EXIT_BROKEN_PIPE, EXIT_FAILURE, EXIT_INTERRUPTED, PROG, ArgumentParser, report_error
 from specula.cli.convert import add_convert_parser
 from specula.cli.generate import add_generate
+from specula.cli.prompts import add_prompts_parser
 from specula.cli.serve import add_serve_parser
 from specula.cli.train import add_train
 from specula.errors import SpeculaError
@@ -28,7 +29,7 @@ from specula.errors import SpeculaError
 # Each entry registers one subcommand on the shared subparsers.
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     add_generate, add_chat, add_check_parser, add_train, add_bench_parser, add_calibrate_parser,
-    add_convert_parser, add_speedcheck_parser, add_serve_parser,
+    add_convert_parser, add_speedcheck_parser, add_serve_parser, add_prompts_parser,
 ]
 
 
