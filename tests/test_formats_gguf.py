@@ -228,6 +228,27 @@ def test_a_gguf_target_gives_its_tokenizer_keys_verbatim(tmp_path, exported):
             assert (kind, shape) == expected_tensors[name][:2] and np.array_equal(data, expected_tensors[name][2])
 
 
+def test_a_speculators_checkpoint_exports_to_the_same_file(tmp_path, exported):
+    assert main(["convert", "--draft", str(HEAD), "--to", "speculators", "--target", str(STORIES),
+                 "--out", str(tmp_path / "spec")]) == 0
+    keys, tensors = read(export(tmp_path, draft=tmp_path / "spec"))
+    expected_keys, expected_tensors = exported
+    assert {k: v for k, v in keys.items() if k != "general.name"} == \
+        {k: v for k, v in expected_keys.items() if k != "general.name"}
+    for name, (kind, shape, data) in tensors.items():
+        assert (kind, shape) == expected_tensors[name][:2] and np.array_equal(data, expected_tensors[name][2])
+
+
+def test_a_full_vocabulary_head_has_no_d2t(tmp_path):
+    # src/models/eagle3.cpp: without d2t the draft vocabulary is the target's, output {n_embd, n_vocab}
+    from transformers import AutoConfig
+
+    Eagle3Head.for_target(AutoConfig.from_pretrained(STORIES), feature_layers=[1, 2, 4]).save_pretrained(
+        tmp_path / "full")
+    _, tensors = read(export(tmp_path, draft=tmp_path / "full"))
+    assert "d2t" not in tensors and tensors["output.weight"][:2] == ("F16", (64, 512))
+
+
 def test_an_earlier_export_is_replaced(tmp_path, exported):
     out = export(tmp_path)
     export(tmp_path, "--outtype", "f32")
