@@ -170,7 +170,8 @@ def test_convert_cli_and_its_errors(head_dir, tmp_path, capsys):
     (broken / "model.safetensors").write_bytes((head_dir / "model.safetensors").read_bytes())
     cases = [
         (["--draft", str(tmp_path / "missing"), "--to", "eagle3"], "does not exist"),
-        (["--draft", str(head_dir), "--to", "gguf"], "invalid choice"),
+        (["--draft", str(head_dir), "--to", "onnx"], "invalid choice"),
+        (["--draft", str(head_dir), "--to", "gguf"], "needs --target"),
         (["--draft", str(head_dir), "--to", "speculators"], "needs --target"),
         (["--draft", str(head_dir), "--to", "speculators", "--target", str(tmp_path / "nowhere")], "not found"),
         (["--draft", str(broken), "--to", "eagle3"], "shape"),
