@@ -11,6 +11,7 @@ from specula.cli.common import (
     DTYPE_CHOICES,
     TARGET_HELP,
     add_method_arguments,
+    add_weights_argument,
     device_name,
     method_options,
     positive_int,
@@ -35,6 +36,7 @@ def add_chat(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, metavar="S", help="random seed for sampling")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help="(default: %(default)s, as stored)")
     p.add_argument("--device", type=device_name, default="cpu", help="torch device (default: %(default)s)")
+    add_weights_argument(p)
     p.add_argument("--no-profile", action="store_true",
                    help="ignore the hardware profile `specula calibrate` wrote for this target")
     add_method_arguments(p)
@@ -45,6 +47,7 @@ def run_chat_command(args: argparse.Namespace) -> int:
     SamplingParams(args.temperature, 0, args.top_p)  # a typo fails before the model loads
     check_seed(args.seed)
     speculator = build_speculator(args.target, method=args.method, draft=args.draft, dtype=args.dtype,
-                                  device=args.device, profile=not args.no_profile, **method_options(args))
+                                  device=args.device, profile=not args.no_profile, weights=args.weights,
+                                  **method_options(args))
     return run_chat(speculator, sys.stdin, sys.stdout, system=args.system, max_new_tokens=args.max_new_tokens,
                     temperature=args.temperature, top_p=args.top_p, seed=args.seed)

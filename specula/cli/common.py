@@ -11,6 +11,7 @@ import torch
 
 from specula.errors import SpeculaError
 from specula.methods import ACCEPTANCE, TYPICAL_ALPHA, TYPICAL_THRESHOLD, all_options, methods_taking
+from specula.weights import AUTO_FORMAT, WEIGHT_FORMATS
 
 PROG = "specula"
 EXIT_USAGE = 2
@@ -55,6 +56,14 @@ def device_name(text: str) -> str:
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise argparse.ArgumentTypeError(f"device '{text}' is not usable: {reason}") from err
     return text
+
+
+def add_weights_argument(p: argparse.ArgumentParser) -> None:
+    """``--weights``: the format of the target's linear weights (`specula.weights`)."""
+    p.add_argument("--weights", choices=WEIGHT_FORMATS, default="auto",
+                   help="format of the target's linear weights: int8 and int4 are weight-only quantized (a "
+                        "different, smaller model, decoded losslessly); int4 from a Q4_0/Q4_1 GGUF uses the "
+                        f"file's own blocks; auto is {AUTO_FORMAT} for now (default: %(default)s)")
 
 
 def add_method_arguments(p: argparse.ArgumentParser) -> None:

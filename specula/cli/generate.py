@@ -12,6 +12,7 @@ from specula.cli.common import (
     PROG,
     TARGET_HELP,
     add_method_arguments,
+    add_weights_argument,
     device_name,
     method_options,
     positive_int,
@@ -39,6 +40,7 @@ def add_generate(subparsers: argparse._SubParsersAction) -> None:
     add_sampling_arguments(p)
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help="(default: %(default)s, as stored)")
     p.add_argument("--device", type=device_name, default="cpu", help="torch device (default: %(default)s)")
+    add_weights_argument(p)
     p.add_argument("--no-profile", action="store_true",
                    help="ignore the hardware profile `specula calibrate` wrote for this target")
     p.add_argument("--json", action="store_true", help="print one JSON object with the text and statistics")
@@ -74,7 +76,8 @@ def run_generate(args: argparse.Namespace) -> int:
     SamplingParams(args.temperature, args.top_k, args.top_p)
     check_seed(args.seed)
     speculator = build_speculator(args.target, method=args.method, draft=args.draft, dtype=args.dtype,
-                                  device=args.device, profile=not args.no_profile, **method_options(args))
+                                  device=args.device, profile=not args.no_profile, weights=args.weights,
+                                  **method_options(args))
     # Warn only once loading has accepted the options, so bad input stays a single error line.
     if not speculator.lossless and args.temperature > 0:
         print(f"{PROG}: warning: --acceptance typical is lossy: at temperature > 0 the output is not distributed "
