@@ -4,10 +4,14 @@ and how often two models' argmax tokens agree over a text.
 Speculative decoding verifies k tokens in one forward, vanilla decoding one at a
 time; the two forwards round differently (another matmul shape, another
 accumulation order), so a greedy output may legitimately take the other branch
-where the target's two best tokens are within rounding of each other. Such a
-divergence is a *near-tie*: at the one-token step vanilla decoding takes there,
-the logit margin between the two tokens is at most `NEAR_TIE_RELATIVE` times the
-largest logit's magnitude. Anything wider is a bug.
+where the target's two best tokens are within rounding of each other — and the
+KV cache itself holds different roundings depending on whether it was filled
+token by token or in blocks. Such a divergence is a *near-tie*: at the one-token
+step vanilla decoding takes there, the logit margin between the two tokens is at
+most the rounding unit of the least precise dtype the target computes in (at
+least `NEAR_TIE_RELATIVE`) times the largest logit's magnitude. For float32 that
+is 1e-4; for the bfloat16 kernels of int8/int4 weights 2^-8 (a bfloat16 carries
+8 significant bits). Anything wider is a bug.
 """
 
 from __future__ import annotations
@@ -19,13 +23,20 @@ import torch
 NEAR_TIE_RELATIVE = 1e-4  # float32 rounding moves logits by ~1e-6 relative; 100x that is still a tie
 
 
+def near_tie_relative(model: torch.nn.Module) -> float:
+    """The near-tie margin relative to the largest logit for ``model``: the unit roundoff of the least
+    precise dtype its parameters or its layers' kernels compute in, at least `NEAR_TIE_RELATIVE`."""
+    dtypes = {p.dtype for p in model.parameters()} | {getattr(m, "compute_dtype", None) for m in model.modules()}
+    return max([NEAR_TIE_RELATIVE] + [torch.finfo(d).eps / 2 for d in dtypes if d is not None and d.is_floating_point])
+
+
 @dataclass(frozen=True)
 class Divergence:
     """The first position where a decoding left the reference one, seen from the reference's one-token step.
 
     position: index among the generated tokens; expected / got: the two tokens there (got = -1: ended early).
     margin:   logit(expected) - logit(got) at the one-token step; top2_margin: best minus second-best logit.
-    scale:    the largest logit magnitude at that step.
+    scale:    the largest logit magnitude at that step; relative: the near-tie margin relative to it.
     """
 
     position: int
@@ -34,16 +45,17 @@ class Divergence:
     margin: float
     top2_margin: float
     scale: float
+    relative: float = NEAR_TIE_RELATIVE
 
     @property
     def near_tie(self) -> bool:
-        return self.got >= 0 and abs(self.margin) <= NEAR_TIE_RELATIVE * max(1.0, self.scale)
+        return self.got >= 0 and abs(self.margin) <= self.relative * max(1.0, self.scale)
 
     def describe(self) -> str:
         kind = "a floating-point near-tie" if self.near_tie else "NOT a near-tie"
         return (f"first divergence at generated token {self.position}: expected {self.expected}, got {self.got}; "
                 f"logit margin {self.margin:.3g} (top-2 margin {self.top2_margin:.3g}, largest |logit| "
-                f"{self.scale:.3g}): {kind}")
+                f"{self.scale:.3g}, near-tie below {self.relative * max(1.0, self.scale):.3g}): {kind}")
 
 
 def first_difference(expected: list[int], got: list[int]) -> int | None:
@@ -77,7 +89,8 @@ def find_divergence(target, prompt_ids: torch.Tensor, expected: list[int], got: 
         margin = float("inf")
     else:
         margin = float(logits[expected_token] - logits[got_token])
-    return Divergence(i, expected_token, got_token, margin, float(top[0] - top[1]), float(logits.abs().max()))
+    return Divergence(i, expected_token, got_token, margin, float(top[0] - top[1]), float(logits.abs().max()),
+                      near_tie_relative(target.model))
 
 
 @dataclass

@@ -1,18 +1,24 @@
 """Weight-only quantized linear layers on torch's own kernels: int8 per output channel, int4 in groups of 32.
 
-Both keep activations in the model's dtype and store only the weight compressed:
+Each stores only the weight compressed and runs its kernel in a *compute dtype* (its scales are
+stored in it, the input is cast to it and the output cast back to the input's dtype):
 
 - `Int8Linear`: w[n, k] = q[n, k] * scale[n], q int8, through
   ``torch.ops.aten._weight_int8pack_mm(x [M, K], q [N, K], scale [N])``.
 - `Int4Linear`: w[n, k] = (q[n, k] - 8) * scale[n, g] + zero[n, g] for the group
   g = k // 32, q in 0..15, through ``_convert_weight_to_int4pack_for_cpu(q int32 [N, K], 1)``
   and ``_weight_int4pack_mm_for_cpu(x [M, K], packed, 32, scale_and_zero [K/32, N, 2])``
-  on a CPU (the kernel computes in the activation dtype, so float32 activations keep
-  float32 scales and zeros), or the CUDA pair ``_convert_weight_to_int4pack(uint8 [N, K/2], 2)``
-  / ``_weight_int4pack_mm`` (bfloat16 only) on a GPU. The CPU kernel needs N to be a
+  on a CPU, or the CUDA pair ``_convert_weight_to_int4pack(uint8 [N, K/2], 2)`` /
+  ``_weight_int4pack_mm`` (bfloat16 only) on a GPU. The CPU kernel needs N to be a
   multiple of 16 and K of the group size: weights are padded (and inputs, when K is not) and
   the padding is sliced off the output.
 - `BFloat16Linear`: the weight cast to bfloat16, the input cast to it for the matmul.
+
+Both CPU kernels accept float32, float16 and bfloat16, but on a CPU without AVX-512 (this
+project's reference machine: AVX2) only bfloat16 is vectorized: measured on one thread for a
+576 x 1536 weight and one token, int4 took 151 us in bfloat16 and 1949 us in float32 (a dense
+float32 matmul 174 us); int8 96 us and 905 us. So `specula.weights` runs them in bfloat16 by
+default, and float32 is there for exactness checks.
 
 `Int4Groups` is the format-neutral description of an int4 weight (codes, scales, zeros);
 `int4_groups` makes one from float weights (asymmetric min/max per group) and
@@ -30,6 +36,9 @@ from torch import nn
 
 GROUP_SIZE = 32
 INT4_N_MULTIPLE = 16  # the CPU packing refuses other N; CUDA needs 8
+# torch 2.13's bfloat16 int8 CPU kernel reads past the row when K is not a multiple of 8 (garbage outputs,
+# sometimes a segfault; float32 is fine): inputs and weights are padded with zeros to a multiple of 8.
+INT8_K_MULTIPLE = 8
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -92,37 +101,43 @@ def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Int8Linear(nn.Module):
-    """y = x @ (q * scale[:, None]).T + bias, q int8 [N, K] and scale [N] in the activation dtype."""
+    """y = x @ (q * scale[:, None]).T + bias, q int8 [N, K]; the kernel runs in ``compute_dtype``."""
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                 compute_dtype: torch.dtype = torch.bfloat16):
         super().__init__()
         self.out_features, self.in_features = q.shape
-        self.register_buffer("qweight", q.contiguous())
-        self.register_buffer("scales", scale.to(dtype).contiguous())
-        self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
+        self.padded_in = _round_up(self.in_features, INT8_K_MULTIPLE)
+        self.compute_dtype = compute_dtype
+        self.register_buffer("qweight", F.pad(q, (0, self.padded_in - self.in_features)).contiguous())
+        self.register_buffer("scales", scale.to(compute_dtype).contiguous())
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, dtype: torch.dtype) -> Int8Linear:
+    def from_linear(cls, linear: nn.Linear, compute_dtype: torch.dtype = torch.bfloat16) -> Int8Linear:
         q, scale = int8_rows(linear.weight)
-        return cls(q, scale, linear.bias, dtype)
+        return cls(q, scale, linear.bias, compute_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] → [..., N] in x's dtype."""
-        flat = x.reshape(-1, self.in_features).to(self.scales.dtype).contiguous()
-        y = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scales)
+        flat = x.reshape(-1, self.in_features).to(self.compute_dtype)
+        if self.padded_in != self.in_features:
+            flat = F.pad(flat, (0, self.padded_in - self.in_features))
+        y = torch.ops.aten._weight_int8pack_mm(flat.contiguous(), self.qweight, self.scales).to(x.dtype)
         if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+            y = y + self.bias.to(x.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per output channel"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, int8 per output channel, "
+                f"computed in {self.compute_dtype}")
 
 
 class Int4Linear(nn.Module):
     """y = x @ W.T + bias with W held as packed int4 groups (see `Int4Groups`) for the device's kernel."""
 
-    def __init__(self, groups: Int4Groups, bias: torch.Tensor | None, dtype: torch.dtype,
-                 device: torch.device | str):
+    def __init__(self, groups: Int4Groups, bias: torch.Tensor | None, compute_dtype: torch.dtype = torch.bfloat16,
+                 device: torch.device | str = "cpu"):
         super().__init__()
         device = torch.device(device)
         n, kp = groups.q.shape
@@ -130,8 +145,7 @@ class Int4Linear(nn.Module):
         self.group_size = groups.group_size
         self.padded_in = kp
         self.cuda = device.type == "cuda"
-        # The CUDA kernel computes in bfloat16 only; the CPU one in the activation dtype.
-        self.compute_dtype = torch.bfloat16 if self.cuda else dtype
+        self.compute_dtype = torch.bfloat16 if self.cuda else compute_dtype  # the CUDA kernel has no other
         np_ = _round_up(n, INT4_N_MULTIPLE)
         q = groups.q.to(torch.int32)
         scale, zero = groups.scale.float(), groups.zero.float()
@@ -147,11 +161,12 @@ class Int4Linear(nn.Module):
         self.register_buffer("packed", packed)
         scale_and_zero = torch.stack([scale.t(), zero.t()], dim=-1).to(device=device, dtype=self.compute_dtype)
         self.register_buffer("scale_and_zero", scale_and_zero.contiguous())  # [Kp / G, Np, 2]
-        self.register_buffer("bias", None if bias is None else bias.detach().to(device=device, dtype=dtype))
+        self.register_buffer("bias", None if bias is None else bias.detach().to(device).clone())
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, dtype: torch.dtype, group_size: int = GROUP_SIZE) -> Int4Linear:
-        return cls(int4_groups(linear.weight, group_size), linear.bias, dtype, linear.weight.device)
+    def from_linear(cls, linear: nn.Linear, compute_dtype: torch.dtype = torch.bfloat16,
+                    group_size: int = GROUP_SIZE) -> Int4Linear:
+        return cls(int4_groups(linear.weight, group_size), linear.bias, compute_dtype, linear.weight.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] → [..., N] in x's dtype."""
@@ -167,16 +182,18 @@ class Int4Linear(nn.Module):
             y = y[:, :self.out_features]
         y = y.to(x.dtype)
         if self.bias is not None:
-            y = y + self.bias
+            y = y + self.bias.to(x.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, int4 in groups of "
-                f"{self.group_size}")
+                f"{self.group_size}, computed in {self.compute_dtype}")
 
 
 class BFloat16Linear(nn.Module):
     """y = x @ W.T + bias with W stored in bfloat16; the matmul runs in bfloat16, the result in x's dtype."""
+
+    compute_dtype = torch.bfloat16
 
     def __init__(self, linear: nn.Linear):
         super().__init__()

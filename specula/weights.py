@@ -7,8 +7,10 @@ and the KV cache keep the model's dtype. The formats:
 
 - ``float32``: the weights as loaded (in the ``dtype`` the model was loaded in);
 - ``bfloat16``: weights cast to bfloat16, the matmul in bfloat16;
-- ``int8``: symmetric int8 with one scale per output channel (``_weight_int8pack_mm``);
-- ``int4``: asymmetric int4 with a scale and a zero per 32 inputs (torch's int4 kernels). When the
+- ``int8``: symmetric int8 with one scale per output channel (``_weight_int8pack_mm``), computed in
+  bfloat16 (activations cast in and out of each layer; see `KERNEL_DTYPE`);
+- ``int4``: asymmetric int4 with a scale and a zero per 32 inputs (torch's int4 kernels), computed in
+  bfloat16 like int8 (so the scales and zeros are bfloat16 numbers too). When the
   model was converted from a GGUF file whose tensors are Q4_0/Q4_1 blocks, ``gguf_file`` carries
   those blocks into the kernel's groups unchanged (`specula.gguf_blocks`), so the int4 model is the
   file's own model rather than a requantization of it.
@@ -36,6 +38,9 @@ from specula.errors import SpeculaError
 from specula.quantized_linear import GROUP_SIZE, BFloat16Linear, Int4Linear, Int8Linear, int4_groups
 
 WEIGHT_FORMATS = ("auto", "float32", "bfloat16", "int8", "int4")
+# torch's int8/int4 CPU kernels are vectorized only for bfloat16 on AVX2 CPUs (10x slower in float32, see
+# specula.quantized_linear); the CUDA int4 kernel takes nothing else.
+KERNEL_DTYPE = torch.bfloat16
 AUTO_FORMAT = "float32"  # until a calibrated profile says otherwise
 LAYER_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -78,39 +83,42 @@ def _tensor_bytes(module: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
 
 
-def check_available(fmt: str, device: torch.device | str, dtype: torch.dtype = torch.float32) -> None:
+def check_available(fmt: str, device: torch.device | str, compute_dtype: torch.dtype = KERNEL_DTYPE) -> None:
     """Run ``fmt``'s kernel once on a tiny input on ``device``; a SpeculaError if the device lacks it."""
     if fmt in ("float32", "auto"):
         return
     probe = nn.Linear(GROUP_SIZE, 16, bias=False).to(device=device, dtype=torch.float32)
     try:
-        module = _convert(probe, fmt, dtype, None)
-        module(torch.ones(2, GROUP_SIZE, device=device, dtype=dtype))
+        module = _convert(probe, fmt, compute_dtype, None)
+        module(torch.ones(2, GROUP_SIZE, device=device))
     except (RuntimeError, NotImplementedError, AttributeError) as err:
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise SpeculaError(f"{fmt} weights are not available on device '{torch.device(device)}' with this torch "
                            f"build ({torch.__version__}): {reason}; use --weights float32 or bfloat16") from err
 
 
-def _convert(linear: nn.Module, fmt: str, dtype: torch.dtype, groups) -> nn.Module:
+def _convert(linear: nn.Module, fmt: str, compute_dtype: torch.dtype, groups) -> nn.Module:
     if fmt == "bfloat16":
         return BFloat16Linear(linear)
     if fmt == "int8":
-        return Int8Linear.from_linear(linear, dtype)
+        return Int8Linear.from_linear(linear, compute_dtype)
     if fmt == "int4":
-        return Int4Linear(groups if groups is not None else int4_groups(linear.weight), linear.bias, dtype,
+        return Int4Linear(groups if groups is not None else int4_groups(linear.weight), linear.bias, compute_dtype,
                           linear.weight.device)
     raise SpeculaError(f"unknown weights format {fmt!r}")
 
 
 def quantize_linear_weights(model: nn.Module, fmt: str, lm_head: bool = False,
-                            gguf_file: str | Path | None = None) -> WeightsReport:
+                            gguf_file: str | Path | None = None,
+                            compute_dtype: torch.dtype = KERNEL_DTYPE) -> WeightsReport:
     """Replace the decoder layers' linear layers of a Llama-family ``model`` (in place) by ``fmt`` modules.
 
     lm_head:   also replace the LM head (a tied head stops sharing its weight with the embedding).
     gguf_file: the GGUF file the model was converted from; with ``int4``, its Q4_0/Q4_1 tensors are
                carried block for block (checked against the loaded weights; a tensor that does not
                match is requantized instead and left out of ``carried``).
+    compute_dtype: the dtype int8/int4 kernels run in (their scales are stored in it); bfloat16 is the fast
+               one, float32 keeps activations exact (for checks: ~10x slower on an AVX2 CPU).
     """
     fmt = resolve_weights(fmt)
     report = WeightsReport(fmt)
@@ -121,8 +129,8 @@ def quantize_linear_weights(model: nn.Module, fmt: str, lm_head: bool = False,
         raise SpeculaError(f"--weights {fmt} needs a Llama-family model (decoder layers at model.layers); "
                            f"{type(model).__name__} has none")
     param = next(model.parameters())
-    dtype, device = param.dtype, param.device
-    check_available(fmt, device, dtype)
+    device = param.device
+    check_available(fmt, device, compute_dtype)
     names = [f"model.layers.{i}.{name}" for i in range(len(layers)) for name in LAYER_LINEARS]
     if lm_head:
         names.append("lm_head")
@@ -141,7 +149,7 @@ def quantize_linear_weights(model: nn.Module, fmt: str, lm_head: bool = False,
             report.carried[name] = blocks[name][0]
         elif fmt in ("int8", "int4"):
             report.requantized.append(name)
-        replacement = _convert(linear, fmt, dtype, groups)
+        replacement = _convert(linear, fmt, compute_dtype, groups)
         report.bytes_before += _tensor_bytes(linear)
         report.bytes_after += _tensor_bytes(replacement)
         parent, _, attribute = name.rpartition(".")

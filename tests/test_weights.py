@@ -35,45 +35,59 @@ Q = gguf.GGMLQuantizationType
 SHAPES = [(64, 64), (172, 64), (64, 172), (48, 96)]
 
 
-def kernel_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Float32 accumulation error bound for x @ weight.T: a few ulp of sum |x| |w| per output."""
-    return 1e-5 * (x.abs().double() @ weight.abs().double().t()) + 1e-6
+COMPUTE = [torch.float32, torch.bfloat16]
+
+
+def kernel_bound(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The kernel's precision for x @ weight.T, per output, relative to sum |x| |w|: float32 accumulation (a few
+    ulp); in bfloat16 also one rounding of each dequantized weight and of the output (unit roundoff 2^-8 each)."""
+    relative = 1e-5 if dtype == torch.float32 else 2.0**-7
+    return relative * (x.abs().double() @ weight.abs().double().t()) + 1e-6
+
+
+def kernel_input(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x as the kernel sees it (cast to its compute dtype), in float64."""
+    return x.to(dtype).double()
 
 
 # ---------------------------------------------------------------- the quantized linears
 
 
-@pytest.mark.parametrize("shape", SHAPES)
-def test_int8_linear_equals_dequantize_then_matmul(shape):
+@pytest.mark.parametrize("dtype", COMPUTE)
+@pytest.mark.parametrize("shape", SHAPES + [(17, 33)])
+def test_int8_linear_equals_dequantize_then_matmul(shape, dtype):
     torch.manual_seed(0)
     n, k = shape
     linear = torch.nn.Linear(k, n)
-    module = Int8Linear.from_linear(linear, torch.float32)
+    module = Int8Linear.from_linear(linear, dtype)
     q, scale = int8_rows(linear.weight)
-    weight = q.double() * scale.double()[:, None]
+    assert (q.double() * scale.double()[:, None] - linear.weight.double()).abs().max() <= scale.max() / 2 + 1e-7
+    weight = q.double() * scale.to(dtype).double()[:, None]  # the scales are stored in the compute dtype
     x = torch.randn(3, 5, k)
-    reference = x.double() @ weight.t() + linear.bias.double()
-    assert module(x).shape == (3, 5, n)
-    assert ((module(x).double() - reference).abs() <= kernel_bound(x, weight)).all()
-    assert (weight - linear.weight.double()).abs().max() <= scale.max() / 2 + 1e-7  # half a step per row
+    reference = kernel_input(x, dtype) @ weight.t() + linear.bias.double()
+    assert module(x).shape == (3, 5, n) and module(x).dtype == torch.float32
+    assert ((module(x).double() - reference).abs() <= kernel_bound(x, weight, dtype)).all()
 
 
-@pytest.mark.parametrize("shape", SHAPES)
-def test_int4_linear_equals_dequantize_then_matmul(shape):
+@pytest.mark.parametrize("dtype", COMPUTE)
+@pytest.mark.parametrize("shape", SHAPES + [(17, 33)])
+def test_int4_linear_equals_dequantize_then_matmul(shape, dtype):
     torch.manual_seed(1)
     n, k = shape
     linear = torch.nn.Linear(k, n)
     groups = int4_groups(linear.weight)
-    module = Int4Linear(groups, linear.bias, torch.float32, "cpu")
+    module = Int4Linear(groups, linear.bias, dtype, "cpu")
     q = groups.q.double()[:, :k]
-    scale = groups.scale.double().repeat_interleave(32, dim=1)[:, :k]
-    zero = groups.zero.double().repeat_interleave(32, dim=1)[:, :k]
+    scale = groups.scale.to(dtype).double().repeat_interleave(32, dim=1)[:, :k]
+    zero = groups.zero.to(dtype).double().repeat_interleave(32, dim=1)[:, :k]
     weight = (q - 8) * scale + zero
     x = torch.randn(3, 5, k)
-    reference = x.double() @ weight.t() + linear.bias.double()
-    assert module(x).shape == (3, 5, n)
-    assert ((module(x).double() - reference).abs() <= kernel_bound(x, weight)).all()
-    assert (weight - linear.weight.double()).abs().le(scale / 2 + 1e-6).all()  # half a step per group
+    reference = kernel_input(x, dtype) @ weight.t() + linear.bias.double()
+    assert module(x).shape == (3, 5, n) and module(x).dtype == torch.float32
+    assert ((module(x).double() - reference).abs() <= kernel_bound(x, weight, dtype)).all()
+    exact = groups.dequantize().double()
+    assert (exact - linear.weight.double()).abs().le(groups.scale.double().repeat_interleave(32, 1)[:, :k] / 2
+                                                     + 1e-6).all()  # half a step per group
 
 
 def test_int4_groups_reproduce_a_weight_already_on_their_grid():
@@ -105,22 +119,31 @@ def test_gguf_q4_tensor_carried_dequantizes_like_gguf(kind):
     groups = blocks_to_groups(raw, kind, values.shape)
     tolerance = 1e-6 * float(expected.abs().max())  # the Q4_1 zero m + 8d is rounded once to float32
     assert (groups.dequantize().double() - expected).abs().max() <= tolerance
-    # ... and the kernel, fed those groups, applies that same weight.
+    # ... and the kernel, fed those groups, applies that same weight: in float32 to float32 precision,
     applied = dequantized_weight(Int4Linear(groups, None, torch.float32, "cpu")).double()
     assert (applied - expected).abs().max() <= tolerance
     if kind == "Q4_0":
         assert torch.equal(applied, expected)  # no rounding at all: zero is 0, scale is d
+    # in bfloat16 within the roundings of scale, zero and the weight itself: (8 |d| + |zero| + |w|) 2^-8.
+    applied = dequantized_weight(Int4Linear(groups, None, torch.bfloat16, "cpu")).double()
+    scale = groups.scale.double().repeat_interleave(32, 1)
+    zero = groups.zero.double().repeat_interleave(32, 1)
+    bound = 2.0**-8 * (8 * scale.abs() + zero.abs() + expected.abs()) + 1e-7  # Q4_0 scales can be negative
+    assert ((applied - expected).abs() <= bound).all()
 
 
-def test_gguf_q8_0_tensor_in_int8_is_within_half_a_row_step():
-    """The int8 kernel has one scale per row, Q8_0 one per 32 weights: within half a step of the row's scale."""
+@pytest.mark.parametrize("dtype", COMPUTE)
+def test_gguf_q8_0_tensor_in_int8_is_within_half_a_row_step(dtype):
+    """The int8 kernel has one scale per row, Q8_0 one per 32 weights: within half a step of the row's scale
+    (in bfloat16 plus the roundings of that scale and of the weight, 2^-8 of |w| each)."""
     values = (np.random.default_rng(5).standard_normal((48, 96)) * 0.1).astype(np.float32)
-    expected = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(values, Q.Q8_0), Q.Q8_0))
+    expected = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(values, Q.Q8_0), Q.Q8_0)).double()
     linear = torch.nn.Linear(96, 48, bias=False)
     linear.weight.data.copy_(expected)
-    module = Int8Linear.from_linear(linear, torch.float32)
-    error = (dequantized_weight(module) - expected).abs().amax(dim=1)
-    assert (error <= module.scales / 2 + 1e-7).all()
+    module = Int8Linear.from_linear(linear, dtype)
+    step = module.scales.double()[:, None]
+    rounding = 0 if dtype == torch.float32 else 2.0**-7 * expected.abs()
+    assert ((dequantized_weight(module).double() - expected).abs() <= step / 2 + rounding + 1e-7).all()
 
 
 def test_llama_row_order_undoes_llama_cpp_permutation():
@@ -143,9 +166,12 @@ def test_int4_target_from_a_gguf_carries_its_blocks(quantized_gguf):
     """Every Q4 linear of the file becomes int4 groups that apply the file's own weights (q/k rows reordered)."""
     reader = gguf.GGUFReader(str(quantized_gguf))
     file_weights = {t.name: torch.tensor(gguf.quants.dequantize(t.data, t.tensor_type)) for t in reader.tensors}
-    target = Target.load(quantized_gguf, weights="int4")
-    assert len(target.weights_report.carried) == 14 and not target.weights_report.requantized
-    assert target.weights_report.carried["model.layers.0.self_attn.v_proj"] == "Q4_0"
+    report = Target.load(quantized_gguf, weights="int4").weights_report
+    assert len(report.carried) == 14 and not report.requantized
+    assert report.carried["model.layers.0.self_attn.v_proj"] == "Q4_0"
+    # Computed in float32, the kernel applies the file's weights to float32 precision.
+    target = Target.load(quantized_gguf, weights="float32")
+    quantize_linear_weights(target.model, "int4", gguf_file=quantized_gguf, compute_dtype=torch.float32)
     config = target.config
     for i in range(2):
         for name, module, heads in [("attn_q", "self_attn.q_proj", config.num_attention_heads),
@@ -215,10 +241,12 @@ def int4_stories():
 
 
 def assert_equal_or_near_ties(vanilla, outputs, decode) -> None:
-    """Every prompt's output equals vanilla's, or first differs at a floating-point near-tie (shown if not)."""
+    """Every prompt's output equals vanilla's, or first differs at a floating-point near-tie (each is printed)."""
     for prompt, expected in zip(STORY_PROMPTS, outputs, strict=True):
         got = decode(prompt)
         divergence = find_divergence(vanilla.target, vanilla.encode(prompt), expected, got)
+        if divergence is not None:
+            print(f"{prompt!r}: {divergence.describe()}")
         assert divergence is None or divergence.near_tie, f"{prompt!r}: {divergence.describe()}"
 
 
