@@ -2,13 +2,17 @@
 
 Every variant is loaded into this one process and timed interleaved (repeat r runs every k of every
 variant in a shuffled order), so a noisy neighbour slows all of them alike; the table shows medians.
-Peak RSS is measured per variant in a fresh subprocess (load + one forward), since a process has
-only one peak. The times are of `Target.forward` (all decoder layers and the LM head over k tokens
-after the committed prefix), not of a whole decoding method.
+Peak and final RSS are measured per variant in a fresh subprocess (load + the prefix), since a
+process has only one peak; the peak is reached while loading, because the float32 model is loaded
+before its layers are quantized. The KV cache is preallocated for the model's whole context.
+The times are of `Target.forward` (all decoder layers and the LM head over k tokens after the
+committed prefix), not of a whole decoding method.
 
 Variants: a format of `specula.weights` (float32, bfloat16, int8, int4), optionally with
-``+head`` (the LM head in that format too) or ``-requant`` (int4 from a GGUF requantized from its
-dequantized floats instead of carrying the file's blocks).
+``-requant`` (int4 from a GGUF requantized from its dequantized floats instead of carrying the
+file's blocks), ``+head`` (the LM head in that format too) and ``@float32`` (int8/int4 kernels
+computing in float32 instead of bfloat16: exact but ~10x slower on AVX2), in that order:
+``int4-requant+head@float32``.
 
 Run on a quiet machine (nothing else running, the same threads as decoding will use):
 
@@ -33,9 +37,9 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from specula.model_source import DEFAULT_MODEL, gguf_source  # noqa: E402
-from specula.target import Target  # noqa: E402
-from specula.weights import quantize_linear_weights  # noqa: E402
+from specula.model_source import DEFAULT_MODEL, gguf_source, model_name  # noqa: E402
+from specula.target import Target, load_causal_lm  # noqa: E402
+from specula.weights import KERNEL_DTYPE, quantize_linear_weights  # noqa: E402
 
 QUESTIONS = REPO.parent / "shared" / "data" / "mt_bench" / "question.jsonl"
 DEFAULT_VARIANTS = ("float32", "bfloat16", "int8", "int4", "int8+head", "int4+head")
@@ -44,16 +48,15 @@ DEFAULT_KS = (1, 2, 4, 8, 16)
 
 def load_variant(target: str, variant: str, dtype: str = "auto") -> Target:
     """The target in ``variant`` (see the module docstring)."""
-    fmt, head = variant.removesuffix("+head"), variant.endswith("+head")
+    fmt, float32 = variant.removesuffix("@float32"), variant.endswith("@float32")
+    fmt, head = fmt.removesuffix("+head"), fmt.endswith("+head")
     fmt, requant = fmt.removesuffix("-requant"), fmt.endswith("-requant")
-    loaded = Target.load(target, dtype=dtype, weights=fmt, gguf_blocks=not requant)
-    if head and fmt != "float32":
-        source = None if requant else gguf_source(target)
-        report = quantize_linear_weights(loaded.model, fmt, lm_head=True, gguf_file=source)
-        loaded.weights_report.converted += report.converted
-        loaded.weights_report.carried.update(report.carried)
-        loaded.weights_report.bytes_before += report.bytes_before
-        loaded.weights_report.bytes_after += report.bytes_after
+    model, tokenizer = load_causal_lm(target, dtype)  # as Target.load does, with the options it does not take
+    source = None if requant or fmt != "int4" else gguf_source(target)
+    report = quantize_linear_weights(model, fmt, lm_head=head, gguf_file=source,
+                                     compute_dtype=torch.float32 if float32 else KERNEL_DTYPE)
+    loaded = Target(model, tokenizer, name=model_name(target))
+    loaded.weights, loaded.weights_report = fmt, report
     return loaded
 
 
@@ -73,12 +76,28 @@ def forward_seconds(target: Target, prefix: int, tokens: torch.Tensor) -> float:
     return time.perf_counter() - start
 
 
-def peak_rss_mib(args: argparse.Namespace, variant: str) -> float:
-    """Peak RSS of a fresh process that loads ``variant`` and runs the prefix (MiB)."""
+def rss_of_this_process() -> tuple[int, int]:
+    """Bytes: (peak, current) resident set of this process, from /proc (VmHWM, VmRSS). Not ru_maxrss, which a
+    child inherits from its parent across fork and exec on Linux."""
+    fields = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        name, _, value = line.partition(":")
+        if name in ("VmHWM", "VmRSS"):
+            fields[name] = int(value.split()[0]) * 1024
+    if len(fields) < 2:  # not Linux: ru_maxrss (bytes on macOS, KiB elsewhere) as an upper bound for both
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+        return peak, peak
+    return fields["VmHWM"], fields["VmRSS"]
+
+
+def rss_mib(args: argparse.Namespace, variant: str) -> tuple[float, float]:
+    """(peak, final) RSS in MiB of a fresh process that loads ``variant`` and runs the prefix; the peak is
+    reached while loading (the float32 model is loaded before it is quantized)."""
     command = [sys.executable, __file__, "--rss-of", variant, "--target", args.target, "--dtype", args.dtype,
                "--threads", str(args.threads), "--prefix", str(args.prefix)]
     done = subprocess.run(command, capture_output=True, text=True, check=True)
-    return float(done.stdout.strip().splitlines()[-1])
+    peak, final = done.stdout.strip().splitlines()[-1].split()
+    return float(peak), float(final)
 
 
 def main() -> None:
@@ -100,7 +119,7 @@ def main() -> None:
         target = load_variant(args.target, args.rss_of, args.dtype)
         with torch.inference_mode():
             target.prefill(text_tokens(target, args.prefix))
-        print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+        print(*(size / 2**20 for size in rss_of_this_process()))
         return
     variants = args.variants.split(",")
     ks = [int(k) for k in args.ks.split(",")]
@@ -126,21 +145,22 @@ def main() -> None:
             rng.shuffle(order)
             for v, k in order:
                 times[v, k].append(forward_seconds(targets[v], args.prefix, block[:k]))
-    rss = {} if args.no_rss else {v: peak_rss_mib(args, v) for v in variants}
+    rss = {} if args.no_rss else {v: rss_mib(args, v) for v in variants}
     results = []
     print(f"\nmedian forward time after {args.prefix} tokens, {args.threads} threads, {args.repeats} interleaved "
           f"repeats (torch {torch.__version__})")
     header = f"{'variant':<16}{'1 token':>10}{'tok/s':>8}" + "".join(f"{f'{k} tok':>9}" for k in ks[1:])
-    print(header + ("" if args.no_rss else f"{'peak RSS':>11}"))
+    print(header + ("" if args.no_rss else f"{'peak RSS':>11}{'final RSS':>12}"))
     for v in variants:
         medians = {k: statistics.median(times[v, k]) for k in ks}
         one = medians[ks[0]]
         row = f"{v:<16}{one * 1e3:>8.2f}ms{1 / one:>8.1f}" + "".join(f"{medians[k] / one:>8.2f}x" for k in ks[1:])
         if not args.no_rss:
-            row += f"{rss[v]:>8.0f} MiB"
+            row += f"{rss[v][0]:>7.0f} MiB{rss[v][1]:>8.0f} MiB"
         print(row)
         results.append({"variant": v, "median_seconds": {str(k): medians[k] for k in ks},
-                        "peak_rss_mib": rss.get(v), "weights": targets[v].weights_report.summary()})
+                        "peak_rss_mib": rss[v][0] if rss else None, "final_rss_mib": rss[v][1] if rss else None,
+                        "weights": targets[v].weights_report.summary()})
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"target": args.target, "threads": args.threads, "prefix": args.prefix,

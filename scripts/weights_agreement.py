@@ -27,7 +27,8 @@ from time_weights import QUESTIONS, load_variant  # noqa: E402
 from specula.agreement import Agreement, argmax_agreement  # noqa: E402
 from specula.model_source import DEFAULT_MODEL  # noqa: E402
 
-DEFAULT_VARIANTS = ("bfloat16", "int8", "int4", "int4-requant", "int8+head", "int4+head")
+DEFAULT_VARIANTS = ("bfloat16", "int8", "int4", "int4-requant", "int8+head", "int4+head", "int4@float32",
+                    "int4-requant@float32")
 MARGINS = (0.1, 0.5, 1.0)
 
 
@@ -53,15 +54,16 @@ def main() -> None:
         reference_logits = [reference.target.prefill(ids).logits[start - 1:-1].float() for ids, start in texts]
     print(f"{sum(len(ids) - start for ids, start in texts)} answer positions over {len(texts)} questions; "
           f"disagreements where float32's own top-2 margin is below {', '.join(map(str, MARGINS))} logits")
-    print(f"{'variant':<16}{'agreement':>10}{'disagree':>10}" + "".join(f"{f'<{m}':>8}" for m in MARGINS))
+    print(f"{'variant':<22}{'agreement':>10}{'disagree':>10}" + "".join(f"{f'<{m}':>8}" for m in MARGINS))
     for variant in args.variants.split(","):
         target = load_variant(args.target, variant)
+        print(f"{'':<22}{target.weights_report.summary()}", file=sys.stderr)
         total = Agreement(0, 0, [])
         with torch.inference_mode():
             for (ids, start), ref in zip(texts, reference_logits, strict=True):
                 total = total.add(argmax_agreement(ref, target.prefill(ids).logits[start - 1:-1]))
         disagreements = total.positions - total.agreeing
-        print(f"{variant:<16}{total.rate:>10.4f}{disagreements:>10}"
+        print(f"{variant:<22}{total.rate:>10.4f}{disagreements:>10}"
               + "".join(f"{total.near_ties(m):>8}" for m in MARGINS))
         del target
 
