@@ -45,7 +45,7 @@ from specula.bench.runners import conversation_ids
 from specula.check_report import CheckReport, GreedyResult, SamplingResult
 from specula.decoding import GenerationStats, generate_tokens
 from specula.distribution_test import MIN_EXPECTED, fit, likely_sequences, token_statistics
-from specula.divergence import explain, first_difference, relative_tolerance
+from specula.divergence import compute_dtype, explain, first_difference, relative_tolerance
 from specula.drafters.vanilla import VanillaDrafter
 from specula.errors import SpeculaError
 from specula.jsonl import json_lines
@@ -125,7 +125,7 @@ def _verify_block(stats: GenerationStats, position: int) -> tuple[int, int] | No
 def check_greedy(speculator, vanilla, prompts: list[torch.Tensor], max_new_tokens: int) -> GreedyResult:
     """Part 1: the method against vanilla at T = 0, every divergence explained."""
     target = speculator.target
-    result = GreedyResult(len(prompts), max_new_tokens, 0, 0, 0, 0, relative_tolerance(target.dtype))
+    result = GreedyResult(len(prompts), max_new_tokens, 0, 0, 0, 0, relative_tolerance(compute_dtype(target)))
     for index, ids in enumerate(prompts):
         expected = vanilla.generate(ids, max_new_tokens).token_ids
         run = speculator.generate(ids, max_new_tokens)
@@ -214,5 +214,12 @@ def check(target: str | Path | None = None, method: str = "vanilla", draft: str 
         sampling = check_sampling(speculator, sample_ids, params, samples, tokens, seed, alpha)
     target_name = speculator.target.name
     return CheckReport(target_name, speculator.method, None if draft is None else Path(draft).name,
-                       str(speculator.target.dtype).removeprefix("torch."), str(speculator.target.device), greedy,
+                       _precision(speculator.target), str(speculator.target.device), greedy,
                        sampling, time.perf_counter() - started)
+
+
+def _precision(target) -> str:
+    """How the report names the target's numbers: its dtype, and the weight format when that is not the dtype."""
+    dtype = str(target.dtype).removeprefix("torch.")
+    weights = getattr(target, "weights", None)
+    return dtype if weights in (None, dtype) else f"{weights} weights ({str(compute_dtype(target))[6:]} kernels)"

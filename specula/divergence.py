@@ -36,6 +36,15 @@ RELATIVE_FLOOR = 1e-4
 NEAR_TIE, REAL = "near-tie", "real"
 
 
+def compute_dtype(target: Target) -> torch.dtype:
+    """The least precise floating dtype ``target`` computes in: its parameters', or a quantized layer's
+    kernels' (int8/int4 weights run in bfloat16 on CPU, `specula.quantized_linear`)."""
+    dtypes = {p.dtype for p in target.model.parameters() if p.dtype.is_floating_point}
+    dtypes |= {m.compute_dtype for m in target.model.modules() if isinstance(getattr(m, "compute_dtype", None),
+                                                                           torch.dtype)}
+    return max(dtypes or {target.dtype}, key=lambda d: torch.finfo(d).eps)
+
+
 def relative_tolerance(dtype: torch.dtype) -> float:
     """Tolerance on a logit difference as a fraction of max|logit|, for logits computed in ``dtype``."""
     eps = torch.finfo(dtype).eps if dtype.is_floating_point else torch.finfo(torch.float32).eps
@@ -130,7 +139,7 @@ def explain(target: Target, prompt: torch.Tensor, vanilla: list[int], method: li
         one_step = _row_logits(target, context, len(context) if position == 0 else 1, -1)
         vanilla_token = vanilla[position] if position < len(vanilla) else None
         method_token = method[position] if position < len(method) else None
-        margin, gap, tolerance, kind = classify(one_step, vanilla_token, method_token, target.dtype)
+        margin, gap, tolerance, kind = classify(one_step, vanilla_token, method_token, compute_dtype(target))
         result = Divergence(position, vanilla_token, method_token, margin, gap, tolerance, kind)
         if verify_block is not None and position > 0:
             start, width = verify_block

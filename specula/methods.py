@@ -37,6 +37,7 @@ from specula.heads.eagle_head import EagleHead
 from specula.model_source import DEFAULT_MODEL, model_name
 from specula.profile import load_profile, profile_defaults
 from specula.target import DTYPES, Target
+from specula.weights import resolve_weights
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 # The old code fixture lives beside the repository (../shared/models); its heads are still in models/.
@@ -382,8 +383,12 @@ def profile_options(method: str, profile: bool | str | Path, target_name: str, d
 
 def build_speculator(target: str | Path | Target = DEFAULT_TARGET, method: str = "vanilla",
                      draft: str | Path | None = None, dtype: str = "auto", device: str = "cpu",
-                     max_length: int | None = None, profile: bool | str | Path = True, **options: Any) -> Speculator:
+                     max_length: int | None = None, profile: bool | str | Path = True, weights: str = "auto",
+                     **options: Any) -> Speculator:
     """Check everything, then load the target (unless given loaded) and assemble the method.
+
+    ``weights``: the format of the target's linear weights (`specula.weights`: auto, float32, bfloat16,
+    int8, int4); draft models and heads keep theirs. A loaded target keeps the format it was loaded with.
 
     ``options``: the method's drafter options (see `METHODS`) and the acceptance options
     (``acceptance``, ``typical_threshold``, ``typical_alpha``). ``profile``: a hardware profile written
@@ -394,6 +399,9 @@ def build_speculator(target: str | Path | Target = DEFAULT_TARGET, method: str =
     checked = check_options(method, drafter_options)
     if isinstance(dtype, str) and dtype != "auto" and dtype not in DTYPES:
         raise SpeculaError(f"unknown dtype '{dtype}'; choose one of auto, {', '.join(DTYPES)}")
+    fmt = resolve_weights(weights)  # an unknown format fails before anything loads
+    if isinstance(target, Target) and weights != "auto" and fmt != target.weights:
+        raise SpeculaError(f"the target was loaded with {target.weights} weights; load it again to use {weights}")
     if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2):
         raise SpeculaError(f"max_length must be a whole number >= 2, got {max_length!r}")
     # A loaded target (bench shares one across methods) remembers the directory it came from.
@@ -403,7 +411,7 @@ def build_speculator(target: str | Path | Target = DEFAULT_TARGET, method: str =
     merged = {**profile_options(method, profile, target_name, str(device)), **checked}
     get_method(method).check(merged)
     if not isinstance(target, Target):
-        target = Target.load(target, dtype=dtype, device=device, max_length=max_length)
+        target = Target.load(target, dtype=dtype, device=device, max_length=max_length, weights=fmt)
     drafter = get_method(method).build(target, draft_dir, merged, dtype)
     return Speculator(target, method, drafter, acceptance.make())
 

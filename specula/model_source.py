@@ -78,6 +78,19 @@ def resolve_model(spec: str | Path, role: str = "model") -> Path:
     return path
 
 
+def gguf_source(spec: str | Path) -> Path | None:
+    """The GGUF file ``spec`` stands for (as `resolve_model` reads it), or None; converts nothing."""
+    text, path = str(spec), Path(spec).expanduser()
+    if path.is_file():
+        return path if path.suffix.lower() == ".gguf" else None
+    if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        return ggufs[0] if not (path / "config.json").is_file() and len(ggufs) == 1 else None
+    if text == DEFAULT_MODEL:
+        return default_target()
+    return None
+
+
 def model_name(spec: str | Path) -> str:
     """A short display name for ``spec`` (also the key of its hardware profile); converts nothing."""
     text, path = str(spec), Path(spec).expanduser()

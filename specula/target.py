@@ -27,9 +27,10 @@ import torch
 
 from specula.chat import end_of_turn_ids
 from specula.errors import SpeculaError
-from specula.model_source import model_name, resolve_model
+from specula.model_source import gguf_source, model_name, resolve_model
 from specula.readers import check_fields, check_safetensors, expect_object, open_safetensors
 from specula.static_cache import StaticKVCache, block_attention_mask, decoder_layer_step, rotary_function
+from specula.weights import quantize_linear_weights, resolve_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LLAMA_FAMILY = {"llama", "mistral", "qwen2", "qwen3"}
@@ -194,7 +195,9 @@ class Target:
         self.config = model.config
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        head = model.get_output_embeddings()  # a quantized head (specula.weights) has no float weight
+        self.vocab_size = int(getattr(head, "out_features", None) or head.weight.shape[0])
+        self.weights = "float32"  # the format of the decoder layers' linear weights (specula.weights)
         position_limit = getattr(self.config, "max_position_embeddings", None) or DEFAULT_MAX_CACHE
         self.max_length = int(min(position_limit, max_length or DEFAULT_MAX_CACHE))
         runtime = _LlamaFamilyRuntime if self.config.model_type in LLAMA_FAMILY else _GenericRuntime
@@ -203,10 +206,20 @@ class Target:
 
     @classmethod
     def load(cls, path: str | Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
-             max_length: int | None = None, role: str = "target") -> Target:
+             max_length: int | None = None, role: str = "target", weights: str = "float32",
+             gguf_blocks: bool = True) -> Target:
+        """Load a target; ``weights`` is the format of its decoder layers' linear weights (`specula.weights`).
+
+        gguf_blocks: when the target is a GGUF file with Q4_0/Q4_1 tensors and ``weights`` is int4, use the
+        file's own blocks rather than requantizing their dequantized values.
+        """
+        weights = resolve_weights(weights)  # an unknown format fails before the model loads
         model, tokenizer = load_causal_lm(path, dtype, device, role)
+        source = gguf_source(path) if gguf_blocks and weights == "int4" else None
+        report = quantize_linear_weights(model, weights, gguf_file=source)
         loaded = cls(model, tokenizer, max_length, name=model_name(path))
         loaded.path = Path(path)  # where it came from: bundled heads are found by it
+        loaded.weights, loaded.weights_report = weights, report
         return loaded
 
     @property

@@ -121,9 +121,10 @@ def no_machine_profile(tmp_path_factory):
 # ---------------------------------------------------------------- GGUF files and the default chat model
 
 
-def write_tiny_gguf(path: Path, architecture: str = "llama", seed: int = 0) -> Path:
+def write_tiny_gguf(path: Path, architecture: str = "llama", seed: int = 0, quantize: dict | None = None) -> Path:
     """A random 2-layer Llama GGUF (float32, gpt2-style BPE tokenizer, ChatML template) small enough to convert
-    in a second; ``architecture`` names something else to get a file `transformers` refuses."""
+    in a second; ``architecture`` names something else to get a file `transformers` refuses. ``quantize`` maps
+    tensor base names (``attn_q``, ``ffn_down``, ``output``, ...) to the gguf block type to store them in."""
     import gguf
     import numpy as np
 
@@ -156,15 +157,22 @@ def write_tiny_gguf(path: Path, architecture: str = "llama", seed: int = 0) -> P
     def weight(*shape):
         return (rng.standard_normal(shape) * 0.1).astype(np.float32)
 
+    def add(name: str, base: str, values):
+        kind = (quantize or {}).get(base)
+        if kind is None:
+            writer.add_tensor(name, values)
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(values, kind), raw_dtype=kind)
+
     head_dim = hidden // heads
-    writer.add_tensor("token_embd.weight", weight(vocab, hidden))
+    add("token_embd.weight", "token_embd", weight(vocab, hidden))
     writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
-    writer.add_tensor("output.weight", weight(vocab, hidden))
+    add("output.weight", "output", weight(vocab, hidden))
     for i in range(2):
         for name, shape in [("attn_q", (heads * head_dim, hidden)), ("attn_k", (kv_heads * head_dim, hidden)),
                             ("attn_v", (kv_heads * head_dim, hidden)), ("attn_output", (hidden, hidden)),
                             ("ffn_gate", (ff, hidden)), ("ffn_up", (ff, hidden)), ("ffn_down", (hidden, ff))]:
-            writer.add_tensor(f"blk.{i}.{name}.weight", weight(*shape))
+            add(f"blk.{i}.{name}.weight", name, weight(*shape))
         writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, np.float32))
         writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, np.float32))
     writer.write_header_to_file()

@@ -12,6 +12,7 @@ import torch
 
 from specula.errors import SpeculaError
 from specula.methods import ACCEPTANCE, METHODS, TYPICAL_ALPHA, TYPICAL_THRESHOLD, all_options, methods_taking
+from specula.weights import AUTO_FORMAT, WEIGHT_FORMATS
 
 PROG = "specula"
 EXIT_USAGE = 2
@@ -60,6 +61,14 @@ def device_name(text: str) -> str:
     return text
 
 
+def add_weights_argument(p: argparse.ArgumentParser) -> None:
+    """``--weights``: the format of the target's linear weights (`specula.weights`)."""
+    p.add_argument("--weights", choices=WEIGHT_FORMATS, default="auto",
+                   help="format of the target's linear weights: int8 and int4 are weight-only quantized (a "
+                        "different, smaller model, decoded losslessly); int4 from a Q4_0/Q4_1 GGUF uses the "
+                        f"file's own blocks; auto is {AUTO_FORMAT} for now (default: %(default)s)")
+
+
 def add_method_arguments(p: argparse.ArgumentParser) -> None:
     """Every method option of the registry as a flag (value checked by the registry), plus acceptance."""
     options = p.add_argument_group("method options (each applies only to the methods named)")
@@ -100,3 +109,4 @@ def add_model_arguments(p: argparse.ArgumentParser, default_target: Path, method
     p.add_argument("--device", type=device_name, default="cpu", help="torch device (default: %(default)s)")
     p.add_argument("--no-profile", action="store_true",
                    help="ignore the hardware profile `specula calibrate` wrote for this target")
+    add_weights_argument(p)

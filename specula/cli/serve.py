@@ -66,7 +66,8 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"{PROG}: warning: listening on {args.host} without --api-key: anyone who can reach it can use it",
               file=sys.stderr)
     speculator = build_speculator(args.target, method=args.method, draft=args.draft, dtype=args.dtype,
-                                  device=args.device, profile=not args.no_profile, **method_options(args))
+                                  device=args.device, profile=not args.no_profile, weights=args.weights,
+                                  **method_options(args))
     settings = ServeSettings(model_name=args.model_name, api_key=args.api_key, max_queue=args.max_queue,
                              max_tokens_limit=args.max_tokens_limit)
     serve(create_app(speculator, settings), host=args.host, port=args.port, log_level=args.log_level)

@@ -1,0 +1,221 @@
+"""Weight-only quantized linear layers on torch's own kernels: int8 per output channel, int4 in groups of 32.
+
+Each stores only the weight compressed and runs its kernel in a *compute dtype* (its scales are
+stored in it, the input is cast to it and the output cast back to the input's dtype):
+
+- `Int8Linear`: w[n, k] = q[n, k] * scale[n], q int8, through
+  ``torch.ops.aten._weight_int8pack_mm(x [M, K], q [N, K], scale [N])``.
+- `Int4Linear`: w[n, k] = (q[n, k] - 8) * scale[n, g] + zero[n, g] for the group
+  g = k // 32, q in 0..15, through ``_convert_weight_to_int4pack_for_cpu(q int32 [N, K], 1)``
+  and ``_weight_int4pack_mm_for_cpu(x [M, K], packed, 32, scale_and_zero [K/32, N, 2])``
+  on a CPU, or the CUDA pair ``_convert_weight_to_int4pack(uint8 [N, K/2], 2)`` /
+  ``_weight_int4pack_mm`` (bfloat16 only) on a GPU. The CPU kernel needs N to be a
+  multiple of 16 and K of the group size: weights are padded (and inputs, when K is not) and
+  the padding is sliced off the output.
+- `BFloat16Linear`: the weight cast to bfloat16, the input cast to it for the matmul.
+
+Both CPU kernels accept float32, float16 and bfloat16, but on a CPU without AVX-512 (this
+project's reference machine: AVX2) only bfloat16 is vectorized: measured on one thread for a
+576 x 1536 weight and one token, int4 took 151 us in bfloat16 and 1949 us in float32 (a dense
+float32 matmul 174 us); int8 96 us and 905 us. So `specula.weights` runs them in bfloat16 by
+default, and float32 is there for exactness checks.
+
+`Int4Groups` is the format-neutral description of an int4 weight (codes, scales, zeros);
+`int4_groups` makes one from float weights (asymmetric min/max per group) and
+`specula.gguf_blocks` makes one from a GGUF file's Q4_0/Q4_1 blocks without requantizing.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+GROUP_SIZE = 32
+INT4_N_MULTIPLE = 16  # the CPU packing refuses other N; CUDA needs 8
+# torch 2.13's bfloat16 int8 CPU kernel reads past the row when K is not a multiple of 8 (garbage outputs,
+# sometimes a segfault; float32 is fine): inputs and weights are padded with zeros to a multiple of 8.
+INT8_K_MULTIPLE = 8
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+@dataclass
+class Int4Groups:
+    """An int4 weight in the kernels' convention: w = (q - 8) * scale + zero per group of ``group_size`` inputs.
+
+    q:     uint8 [N, Kp], codes 0..15; Kp = K rounded up to the group size (padding columns are ignored).
+    scale: float32 [N, Kp / group_size].
+    zero:  float32 [N, Kp / group_size].
+    in_features: K, the real input width.
+    """
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    in_features: int
+    group_size: int = GROUP_SIZE
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [N, K]: the weight these groups stand for."""
+        scale = self.scale.float().repeat_interleave(self.group_size, dim=1)
+        zero = self.zero.float().repeat_interleave(self.group_size, dim=1)
+        return ((self.q.float() - 8) * scale + zero)[:, :self.in_features]
+
+    def permute_rows(self, order: torch.Tensor) -> Int4Groups:
+        """The same groups with output rows taken in ``order`` [N]."""
+        return Int4Groups(self.q[order], self.scale[order], self.zero[order], self.in_features, self.group_size)
+
+
+def int4_groups(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> Int4Groups:
+    """Asymmetric int4 per group of ``weight`` [N, K]: scale = (max - min) / 15, q = round((w - min) / scale).
+
+    A partial last group is padded by repeating the row's last value, so padding never widens its range.
+    """
+    n, k = weight.shape
+    kp = _round_up(k, group_size)
+    w = weight.detach().float()
+    if kp != k:
+        w = F.pad(w[None], (0, kp - k), mode="replicate")[0]
+    grouped = w.reshape(n, kp // group_size, group_size)
+    low, high = grouped.amin(dim=-1), grouped.amax(dim=-1)
+    scale = (high - low) / 15
+    # A constant group has no range: any positive scale reproduces it (its codes are all 0).
+    scale = torch.where(scale > 0, scale, torch.full_like(scale, 1e-12))
+    q = torch.round((grouped - low[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.uint8)
+    return Int4Groups(q.reshape(n, kp), scale, low + 8 * scale, k, group_size)
+
+
+def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8: (q int8 [N, K], scale float32 [N]) with w ≈ q * scale[:, None]."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1) / 127
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero row: any scale, codes 0
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+class Int8Linear(nn.Module):
+    """y = x @ (q * scale[:, None]).T + bias, q int8 [N, K]; the kernel runs in ``compute_dtype``."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                 compute_dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        self.padded_in = _round_up(self.in_features, INT8_K_MULTIPLE)
+        self.compute_dtype = compute_dtype
+        self.register_buffer("qweight", F.pad(q, (0, self.padded_in - self.in_features)).contiguous())
+        self.register_buffer("scales", scale.to(compute_dtype).contiguous())
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, compute_dtype: torch.dtype = torch.bfloat16) -> Int8Linear:
+        q, scale = int8_rows(linear.weight)
+        return cls(q, scale, linear.bias, compute_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] → [..., N] in x's dtype."""
+        flat = x.reshape(-1, self.in_features).to(self.compute_dtype)
+        if self.padded_in != self.in_features:
+            flat = F.pad(flat, (0, self.padded_in - self.in_features))
+        y = torch.ops.aten._weight_int8pack_mm(flat.contiguous(), self.qweight, self.scales).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, int8 per output channel, "
+                f"computed in {self.compute_dtype}")
+
+
+class Int4Linear(nn.Module):
+    """y = x @ W.T + bias with W held as packed int4 groups (see `Int4Groups`) for the device's kernel."""
+
+    def __init__(self, groups: Int4Groups, bias: torch.Tensor | None, compute_dtype: torch.dtype = torch.bfloat16,
+                 device: torch.device | str = "cpu"):
+        super().__init__()
+        device = torch.device(device)
+        n, kp = groups.q.shape
+        self.out_features, self.in_features = n, groups.in_features
+        self.group_size = groups.group_size
+        self.padded_in = kp
+        self.cuda = device.type == "cuda"
+        self.compute_dtype = torch.bfloat16 if self.cuda else compute_dtype  # the CUDA kernel has no other
+        np_ = _round_up(n, INT4_N_MULTIPLE)
+        q = groups.q.to(torch.int32)
+        scale, zero = groups.scale.float(), groups.zero.float()
+        if np_ != n:  # padding rows: code 8 and zero 0 make them exact zeros
+            q = F.pad(q, (0, 0, 0, np_ - n), value=8)
+            scale = F.pad(scale, (0, 0, 0, np_ - n), value=1.0)
+            zero = F.pad(zero, (0, 0, 0, np_ - n), value=0.0)
+        q = q.to(device)
+        if self.cuda:
+            packed = torch.ops.aten._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8), 2)
+        else:
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
+        self.register_buffer("packed", packed)
+        scale_and_zero = torch.stack([scale.t(), zero.t()], dim=-1).to(device=device, dtype=self.compute_dtype)
+        self.register_buffer("scale_and_zero", scale_and_zero.contiguous())  # [Kp / G, Np, 2]
+        self.register_buffer("bias", None if bias is None else bias.detach().to(device).clone())
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, compute_dtype: torch.dtype = torch.bfloat16,
+                    group_size: int = GROUP_SIZE) -> Int4Linear:
+        return cls(int4_groups(linear.weight, group_size), linear.bias, compute_dtype, linear.weight.device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] → [..., N] in x's dtype."""
+        flat = x.reshape(-1, self.in_features).to(self.compute_dtype)
+        if self.padded_in != self.in_features:
+            flat = F.pad(flat, (0, self.padded_in - self.in_features))
+        flat = flat.contiguous()
+        if self.cuda:
+            y = torch.ops.aten._weight_int4pack_mm(flat, self.packed, self.group_size, self.scale_and_zero)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size, self.scale_and_zero)
+        if y.shape[1] != self.out_features:
+            y = y[:, :self.out_features]
+        y = y.to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, int4 in groups of "
+                f"{self.group_size}, computed in {self.compute_dtype}")
+
+
+class BFloat16Linear(nn.Module):
+    """y = x @ W.T + bias with W stored in bfloat16; the matmul runs in bfloat16, the result in x's dtype."""
+
+    compute_dtype = torch.bfloat16
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.out_features, self.in_features = linear.weight.shape
+        self.weight = nn.Parameter(linear.weight.detach().to(torch.bfloat16), requires_grad=False)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().to(torch.bfloat16),
+                                                                  requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] → [..., N] in x's dtype."""
+        return F.linear(x.to(torch.bfloat16), self.weight, self.bias).to(x.dtype)
+
+
+def dequantized_weight(module: nn.Module) -> torch.Tensor:
+    """float32 [N, K]: the weight a (quantized or plain) linear layer applies, read back through its own kernel.
+
+    Multiplying the identity through the layer gives exactly what its kernel computes for each input
+    column (every module casts its input to its compute dtype, in which 0 and 1 are exact), packing
+    included, so this checks the whole path rather than a reconstruction of it.
+    """
+    device = next(itertools.chain(module.parameters(), module.buffers())).device
+    out = module(torch.eye(module.in_features, device=device))
+    if module.bias is not None:
+        out = out - module.bias.to(out.dtype)
+    return out.t().float()

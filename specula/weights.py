@@ -1,0 +1,206 @@
+"""Weight formats of the target: its decoder layers' linear weights as float32, bfloat16, int8 or int4.
+
+`quantize_linear_weights(model, fmt)` replaces the q/k/v/o and gate/up/down
+projections of every decoder layer (and, with ``lm_head=True``, the LM head) by
+weight-only modules of `specula.quantized_linear`; embeddings, norms, attention
+and the KV cache keep the model's dtype. The formats:
+
+- ``float32``: the weights as loaded (in the ``dtype`` the model was loaded in);
+- ``bfloat16``: weights cast to bfloat16, the matmul in bfloat16;
+- ``int8``: symmetric int8 with one scale per output channel (``_weight_int8pack_mm``), computed in
+  bfloat16 (activations cast in and out of each layer; see `KERNEL_DTYPE`);
+- ``int4``: asymmetric int4 with a scale and a zero per 32 inputs (torch's int4 kernels), computed in
+  bfloat16 like int8 (so the scales and zeros are bfloat16 numbers too). When the
+  model was converted from a GGUF file whose tensors are Q4_0/Q4_1 blocks, ``gguf_file`` carries
+  those blocks into the kernel's groups unchanged (`specula.gguf_blocks`), so the int4 model is the
+  file's own model rather than a requantization of it.
+- ``auto``: float32 for now. Which format is fastest while staying lossless is a property of the
+  machine; `specula calibrate` is meant to measure it and record it in the hardware profile, and
+  ``auto`` will then read it from there.
+
+Losslessness is relative to the target *with these weights*: every method decodes exactly what
+vanilla decoding of the same quantized target decodes (up to floating-point near-ties between a
+one-token and a many-token forward). Quantization changes the model itself, not the method.
+
+A format whose kernel the device lacks is refused with a SpeculaError naming the device, found by
+running the kernel once on a tiny input before any layer is converted.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from specula.errors import SpeculaError
+from specula.quantized_linear import GROUP_SIZE, BFloat16Linear, Int4Linear, Int8Linear, int4_groups
+
+WEIGHT_FORMATS = ("auto", "float32", "bfloat16", "int8", "int4")
+# torch's int8/int4 CPU kernels are vectorized only for bfloat16 on AVX2 CPUs (10x slower in float32, see
+# specula.quantized_linear); the CUDA int4 kernel takes nothing else.
+KERNEL_DTYPE = torch.bfloat16
+AUTO_FORMAT = "float32"  # until a calibrated profile says otherwise
+LAYER_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def resolve_weights(fmt: str) -> str:
+    """The concrete format ``fmt`` stands for (``auto`` → `AUTO_FORMAT`), or a SpeculaError for an unknown one."""
+    if fmt not in WEIGHT_FORMATS:
+        raise SpeculaError(f"unknown weights format {fmt!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
+    return AUTO_FORMAT if fmt == "auto" else fmt
+
+
+@dataclass
+class WeightsReport:
+    """What `quantize_linear_weights` did.
+
+    converted:   modules replaced, by name.
+    carried:     modules whose int4 groups are the GGUF file's own blocks, by name → block type.
+    requantized: modules quantized from their float weights.
+    bytes_before / bytes_after: storage of the replaced modules' weights (and scales).
+    """
+
+    format: str
+    converted: list[str] = field(default_factory=list)
+    carried: dict[str, str] = field(default_factory=dict)
+    requantized: list[str] = field(default_factory=list)
+    bytes_before: int = 0
+    bytes_after: int = 0
+
+    def summary(self) -> str:
+        text = f"{self.format}: {len(self.converted)} linear layers"
+        if self.carried:
+            text += f", {len(self.carried)} carried from GGUF blocks"
+        if self.bytes_before:
+            text += f", {self.bytes_before / 2**20:.1f} MiB -> {self.bytes_after / 2**20:.1f} MiB"
+        return text
+
+
+def _tensor_bytes(module: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
+
+
+def check_available(fmt: str, device: torch.device | str, compute_dtype: torch.dtype = KERNEL_DTYPE) -> None:
+    """Run ``fmt``'s kernel once on a tiny input on ``device``; a SpeculaError if the device lacks it."""
+    if fmt in ("float32", "auto"):
+        return
+    probe = nn.Linear(GROUP_SIZE, 16, bias=False).to(device=device, dtype=torch.float32)
+    try:
+        module = _convert(probe, fmt, compute_dtype, None)
+        module(torch.ones(2, GROUP_SIZE, device=device))
+    except (RuntimeError, NotImplementedError, AttributeError) as err:
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise SpeculaError(f"{fmt} weights are not available on device '{torch.device(device)}' with this torch "
+                           f"build ({torch.__version__}): {reason}; use --weights float32 or bfloat16") from err
+
+
+def _convert(linear: nn.Module, fmt: str, compute_dtype: torch.dtype, groups) -> nn.Module:
+    if fmt == "bfloat16":
+        return BFloat16Linear(linear)
+    if fmt == "int8":
+        return Int8Linear.from_linear(linear, compute_dtype)
+    if fmt == "int4":
+        return Int4Linear(groups if groups is not None else int4_groups(linear.weight), linear.bias, compute_dtype,
+                          linear.weight.device)
+    raise SpeculaError(f"unknown weights format {fmt!r}")
+
+
+def quantize_linear_weights(model: nn.Module, fmt: str, lm_head: bool = False,
+                            gguf_file: str | Path | None = None,
+                            compute_dtype: torch.dtype = KERNEL_DTYPE) -> WeightsReport:
+    """Replace the decoder layers' linear layers of a Llama-family ``model`` (in place) by ``fmt`` modules.
+
+    lm_head:   also replace the LM head (a tied head stops sharing its weight with the embedding).
+    gguf_file: the GGUF file the model was converted from; with ``int4``, its Q4_0/Q4_1 tensors are
+               carried block for block (checked against the loaded weights; a tensor that does not
+               match is requantized instead and left out of ``carried``).
+    compute_dtype: the dtype int8/int4 kernels run in (their scales are stored in it); bfloat16 is the fast
+               one, float32 keeps activations exact (for checks: ~10x slower on an AVX2 CPU).
+    """
+    fmt = resolve_weights(fmt)
+    report = WeightsReport(fmt)
+    if fmt == "float32":
+        return report
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise SpeculaError(f"--weights {fmt} needs a Llama-family model (decoder layers at model.layers); "
+                           f"{type(model).__name__} has none")
+    param = next(model.parameters())
+    device = param.device
+    check_available(fmt, device, compute_dtype)
+    names = [f"model.layers.{i}.{name}" for i in range(len(layers)) for name in LAYER_LINEARS]
+    if lm_head:
+        names.append("lm_head")
+    blocks = {}
+    if fmt == "int4" and gguf_file is not None:
+        from specula.gguf_blocks import read_linear_blocks
+
+        tied = bool(getattr(model.config, "tie_word_embeddings", False))
+        blocks = read_linear_blocks(gguf_file, tied)
+    for name in names:
+        linear = model.get_submodule(name)
+        if not isinstance(linear, nn.Linear):
+            continue  # already converted, or a layer kind this does not know
+        groups = _carried(name, linear, blocks[name], model.config) if name in blocks else None
+        if groups is not None:
+            report.carried[name] = blocks[name][0]
+        elif fmt in ("int8", "int4"):
+            report.requantized.append(name)
+        replacement = _convert(linear, fmt, compute_dtype, groups)
+        report.bytes_before += _tensor_bytes(linear)
+        report.bytes_after += _tensor_bytes(replacement)
+        parent, _, attribute = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attribute, replacement)
+        report.converted.append(name)
+    if report.converted:
+        del linear, replacement  # the last replaced layer would keep the file mapping alive
+        _release_loaded_memory(model)
+    return report
+
+
+def _release_loaded_memory(model: nn.Module) -> None:
+    """Give the memory of the replaced float weights back to the operating system.
+
+    `transformers` memory-maps safetensors files: the float weights read while quantizing stay resident as
+    long as any tensor (the embedding, the norms) still lives in that mapping, so those are copied into
+    memory of their own, which unmaps the file. Freed heap memory is then trimmed (glibc keeps it otherwise).
+    Measured on SmolLM2-135M with int4 weights: resident memory after loading 873 -> 576 MiB.
+    """
+    copies: dict[tuple, torch.Tensor] = {}
+    done: set[int] = set()
+    quantized = (BFloat16Linear, Int8Linear, Int4Linear)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, quantized):
+                continue
+            for param in module.parameters(recurse=False):
+                if id(param) in done:  # a tied weight seen from its other module
+                    continue
+                done.add(id(param))
+                key = (param.data_ptr(), tuple(param.shape), tuple(param.stride()))  # distinct tensors sharing
+                if key not in copies:
+                    copies[key] = param.detach().clone()
+                param.data = copies[key]
+    copies.clear()
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim, or no way to ask
+        pass
+
+
+def _carried(name: str, linear: nn.Linear, blocks, config):
+    """The GGUF groups for ``name`` if they reproduce the loaded weight, else None."""
+    from specula.gguf_blocks import carried_groups
+
+    heads = None
+    if name.endswith("q_proj"):
+        heads = config.num_attention_heads
+    elif name.endswith("k_proj"):
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return carried_groups(blocks, linear.weight, heads)

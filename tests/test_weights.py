@@ -1,0 +1,333 @@
+"""Weight formats of the target: quantized linears compute what their dequantized weights say, GGUF blocks carry
+over as gguf dequantizes them, and every method decodes exactly what vanilla decodes with the same weights."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from conftest import LLAMA2XS, STORIES, STORY_PROMPTS, tiny_model, write_tiny_gguf
+
+import specula
+from specula.agreement import argmax_agreement, find_divergence
+from specula.cli import main
+from specula.errors import SpeculaError
+from specula.gguf_blocks import blocks_to_groups, llama_row_order
+from specula.quantized_linear import (
+    BFloat16Linear,
+    Int4Linear,
+    Int8Linear,
+    dequantized_weight,
+    int4_groups,
+    int8_rows,
+)
+from specula.target import Target
+from specula.weights import check_available, quantize_linear_weights
+
+EAGLE_HEAD = Path(__file__).resolve().parent / "data" / "eagle-stories260k"
+NEW_TOKENS = 48
+Q = gguf.GGMLQuantizationType
+# Shapes the kernels take as they are, and ones they need padded (N not a multiple of 16, K not of 32).
+SHAPES = [(64, 64), (172, 64), (64, 172), (48, 96)]
+
+
+COMPUTE = [torch.float32, torch.bfloat16]
+
+
+def kernel_bound(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The kernel's precision for x @ weight.T, per output, relative to sum |x| |w|: float32 accumulation (a few
+    ulp); in bfloat16 also one rounding of each dequantized weight and of the output (unit roundoff 2^-8 each)."""
+    relative = 1e-5 if dtype == torch.float32 else 2.0**-7
+    return relative * (x.abs().double() @ weight.abs().double().t()) + 1e-6
+
+
+def kernel_input(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x as the kernel sees it (cast to its compute dtype), in float64."""
+    return x.to(dtype).double()
+
+
+# ---------------------------------------------------------------- the quantized linears
+
+
+@pytest.mark.parametrize("dtype", COMPUTE)
+@pytest.mark.parametrize("shape", SHAPES + [(17, 33)])
+def test_int8_linear_equals_dequantize_then_matmul(shape, dtype):
+    torch.manual_seed(0)
+    n, k = shape
+    linear = torch.nn.Linear(k, n)
+    module = Int8Linear.from_linear(linear, dtype)
+    q, scale = int8_rows(linear.weight)
+    assert (q.double() * scale.double()[:, None] - linear.weight.double()).abs().max() <= scale.max() / 2 + 1e-7
+    weight = q.double() * scale.to(dtype).double()[:, None]  # the scales are stored in the compute dtype
+    x = torch.randn(3, 5, k)
+    reference = kernel_input(x, dtype) @ weight.t() + linear.bias.double()
+    assert module(x).shape == (3, 5, n) and module(x).dtype == torch.float32
+    assert ((module(x).double() - reference).abs() <= kernel_bound(x, weight, dtype)).all()
+
+
+@pytest.mark.parametrize("dtype", COMPUTE)
+@pytest.mark.parametrize("shape", SHAPES + [(17, 33)])
+def test_int4_linear_equals_dequantize_then_matmul(shape, dtype):
+    torch.manual_seed(1)
+    n, k = shape
+    linear = torch.nn.Linear(k, n)
+    groups = int4_groups(linear.weight)
+    module = Int4Linear(groups, linear.bias, dtype, "cpu")
+    q = groups.q.double()[:, :k]
+    scale = groups.scale.to(dtype).double().repeat_interleave(32, dim=1)[:, :k]
+    zero = groups.zero.to(dtype).double().repeat_interleave(32, dim=1)[:, :k]
+    weight = (q - 8) * scale + zero
+    x = torch.randn(3, 5, k)
+    reference = kernel_input(x, dtype) @ weight.t() + linear.bias.double()
+    assert module(x).shape == (3, 5, n) and module(x).dtype == torch.float32
+    assert ((module(x).double() - reference).abs() <= kernel_bound(x, weight, dtype)).all()
+    exact = groups.dequantize().double()
+    assert (exact - linear.weight.double()).abs().le(groups.scale.double().repeat_interleave(32, 1)[:, :k] / 2
+                                                     + 1e-6).all()  # half a step per group
+
+
+def test_int4_groups_reproduce_a_weight_already_on_their_grid():
+    """Requantizing int4-representable weights (a Q4_1 file dequantized) gives the same weights back."""
+    torch.manual_seed(2)
+    q = torch.randint(0, 16, (32, 64))
+    q[:, ::32], q[:, 1::32] = 0, 15  # every group spans the full code range, as min/max quantization makes it
+    d, m = torch.rand(32, 2) * 0.01 + 0.001, torch.randn(32, 2) * 0.05
+    weight = q * d.repeat_interleave(32, 1) + m.repeat_interleave(32, 1)
+    assert torch.allclose(int4_groups(weight).dequantize(), weight, rtol=0, atol=1e-6)
+
+
+def test_bfloat16_linear_is_a_bfloat16_matmul():
+    torch.manual_seed(3)
+    linear = torch.nn.Linear(64, 48)
+    x = torch.randn(4, 64)
+    expected = torch.nn.functional.linear(x.bfloat16(), linear.weight.bfloat16(), linear.bias.bfloat16()).float()
+    assert torch.equal(BFloat16Linear(linear)(x), expected)
+
+
+# ---------------------------------------------------------------- GGUF blocks
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+def test_gguf_q4_tensor_carried_dequantizes_like_gguf(kind):
+    values = (np.random.default_rng(4).standard_normal((48, 96)) * 0.1).astype(np.float32)
+    raw = gguf.quants.quantize(values, Q[kind])
+    expected = torch.from_numpy(gguf.quants.dequantize(raw, Q[kind])).double()
+    groups = blocks_to_groups(raw, kind, values.shape)
+    tolerance = 1e-6 * float(expected.abs().max())  # the Q4_1 zero m + 8d is rounded once to float32
+    assert (groups.dequantize().double() - expected).abs().max() <= tolerance
+    # ... and the kernel, fed those groups, applies that same weight: in float32 to float32 precision,
+    applied = dequantized_weight(Int4Linear(groups, None, torch.float32, "cpu")).double()
+    assert (applied - expected).abs().max() <= tolerance
+    if kind == "Q4_0":
+        assert torch.equal(applied, expected)  # no rounding at all: zero is 0, scale is d
+    # in bfloat16 within the roundings of scale, zero and the weight itself: (8 |d| + |zero| + |w|) 2^-8.
+    applied = dequantized_weight(Int4Linear(groups, None, torch.bfloat16, "cpu")).double()
+    scale = groups.scale.double().repeat_interleave(32, 1)
+    zero = groups.zero.double().repeat_interleave(32, 1)
+    bound = 2.0**-8 * (8 * scale.abs() + zero.abs() + expected.abs()) + 1e-7  # Q4_0 scales can be negative
+    assert ((applied - expected).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("dtype", COMPUTE)
+def test_gguf_q8_0_tensor_in_int8_is_within_half_a_row_step(dtype):
+    """The int8 kernel has one scale per row, Q8_0 one per 32 weights: within half a step of the row's scale
+    (in bfloat16 plus the roundings of that scale and of the weight, 2^-8 of |w| each)."""
+    values = (np.random.default_rng(5).standard_normal((48, 96)) * 0.1).astype(np.float32)
+    expected = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(values, Q.Q8_0), Q.Q8_0)).double()
+    linear = torch.nn.Linear(96, 48, bias=False)
+    linear.weight.data.copy_(expected)
+    module = Int8Linear.from_linear(linear, dtype)
+    step = module.scales.double()[:, None]
+    rounding = 0 if dtype == torch.float32 else 2.0**-7 * expected.abs()
+    assert ((dequantized_weight(module).double() - expected).abs() <= step / 2 + rounding + 1e-7).all()
+
+
+def test_llama_row_order_undoes_llama_cpp_permutation():
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    rows = np.arange(48, dtype=np.float32)[:, None]
+    expected = LlamaTensorProcessor()._reverse_permute_weights(rows, 3, 3)[:, 0]
+    assert llama_row_order(48, 3).tolist() == expected.astype(int).tolist()
+
+
+@pytest.fixture(scope="module")
+def quantized_gguf(tmp_path_factory) -> Path:
+    """A tiny Llama GGUF whose linears are Q4_1 blocks (attn_v Q4_0, output Q4_1, embedding Q8_0)."""
+    kinds = {name: Q.Q4_1 for name in ("attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up", "ffn_down")}
+    kinds.update(attn_v=Q.Q4_0, output=Q.Q4_1, token_embd=Q.Q8_0)
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny-q4.gguf", quantize=kinds)
+
+
+def test_int4_target_from_a_gguf_carries_its_blocks(quantized_gguf):
+    """Every Q4 linear of the file becomes int4 groups that apply the file's own weights (q/k rows reordered)."""
+    reader = gguf.GGUFReader(str(quantized_gguf))
+    file_weights = {t.name: torch.tensor(gguf.quants.dequantize(t.data, t.tensor_type)) for t in reader.tensors}
+    report = Target.load(quantized_gguf, weights="int4").weights_report
+    assert len(report.carried) == 14 and not report.requantized
+    assert report.carried["model.layers.0.self_attn.v_proj"] == "Q4_0"
+    # Computed in float32, the kernel applies the file's weights to float32 precision.
+    target = Target.load(quantized_gguf, weights="float32")
+    quantize_linear_weights(target.model, "int4", gguf_file=quantized_gguf, compute_dtype=torch.float32)
+    config = target.config
+    for i in range(2):
+        for name, module, heads in [("attn_q", "self_attn.q_proj", config.num_attention_heads),
+                                    ("attn_k", "self_attn.k_proj", config.num_key_value_heads),
+                                    ("attn_v", "self_attn.v_proj", None), ("ffn_down", "mlp.down_proj", None)]:
+            expected = file_weights[f"blk.{i}.{name}.weight"]
+            if heads:
+                expected = expected[llama_row_order(expected.shape[0], heads)]
+            applied = dequantized_weight(target.model.get_submodule(f"model.layers.{i}.{module}"))
+            assert (applied - expected).abs().max() <= 1e-6 * expected.abs().max(), name
+
+
+def test_gguf_blocks_can_be_left_out_and_the_lm_head_carried(quantized_gguf):
+    requantized = Target.load(quantized_gguf, weights="int4", gguf_blocks=False).weights_report
+    assert not requantized.carried and len(requantized.requantized) == 14
+    model = Target.load(quantized_gguf, weights="float32").model
+    report = quantize_linear_weights(model, "int4", lm_head=True, gguf_file=quantized_gguf)
+    assert report.carried["lm_head"] == "Q4_1" and len(report.carried) == 15
+    assert Target(model).vocab_size == 128  # read from the quantized head
+
+
+# ---------------------------------------------------------------- formats on a target
+
+
+def test_unknown_format_is_refused_before_loading():
+    with pytest.raises(SpeculaError, match="unknown weights format 'int3'"):
+        specula.load("no/such/model", weights="int3")
+
+
+def test_a_loaded_target_keeps_its_format(int4_stories):
+    with pytest.raises(SpeculaError, match="loaded with int4 weights"):
+        specula.load(int4_stories.target, weights="int8")
+    assert specula.load(int4_stories.target, method="pld").target.weights == "int4"  # auto keeps it
+
+
+def test_a_device_without_the_kernel_is_one_clear_error(monkeypatch):
+    def missing(*args):
+        raise NotImplementedError("Could not run '_weight_int8pack_mm' with arguments from the 'CPU' backend")
+
+    monkeypatch.setattr(torch.ops.aten, "_weight_int8pack_mm", missing)
+    with pytest.raises(SpeculaError, match="int8 weights are not available on device 'cpu'"):
+        check_available("int8", "cpu")
+
+
+def test_formats_change_only_the_decoder_linears():
+    model = tiny_model("llama")
+    report = quantize_linear_weights(model, "int8")
+    assert len(report.converted) == 3 * 7 and report.bytes_after < report.bytes_before / 3
+    assert isinstance(model.model.layers[2].mlp.down_proj, Int8Linear)
+    assert isinstance(model.lm_head, torch.nn.Linear) and model.model.embed_tokens.weight.dtype == torch.float32
+
+
+# ---------------------------------------------------------------- greedy equality with the same weights
+
+
+@pytest.fixture(scope="module", params=["int8", "int4"])
+def quantized_stories(request, single_thread):
+    """(format, vanilla speculator on stories260k in that format, its outputs per story prompt)."""
+    vanilla = specula.load(STORIES, weights=request.param, dtype="float32")
+    outputs = [vanilla.generate(prompt, max_new_tokens=NEW_TOKENS).token_ids for prompt in STORY_PROMPTS]
+    return request.param, vanilla, outputs
+
+
+@pytest.fixture(scope="module")
+def int4_stories():
+    return specula.load(STORIES, weights="int4", dtype="float32")
+
+
+def assert_equal_or_near_ties(vanilla, outputs, decode) -> None:
+    """Every prompt's output equals vanilla's, or first differs at a floating-point near-tie (each is printed)."""
+    for prompt, expected in zip(STORY_PROMPTS, outputs, strict=True):
+        got = decode(prompt)
+        divergence = find_divergence(vanilla.target, vanilla.encode(prompt), expected, got)
+        if divergence is not None:
+            print(f"{prompt!r}: {divergence.describe()}")
+        assert divergence is None or divergence.near_tie, f"{prompt!r}: {divergence.describe()}"
+
+
+def test_vanilla_equals_transformers_generate_with_the_same_weights(quantized_stories):
+    fmt, vanilla, outputs = quantized_stories
+    model = vanilla.target.model  # its linears are the quantized modules: generate() runs them too
+
+    def hf_generate(prompt):
+        ids = vanilla.encode(prompt)[None]
+        return model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)[0, ids.shape[1]:].tolist()
+
+    assert isinstance(model.model.layers[0].self_attn.q_proj, Int8Linear if fmt == "int8" else Int4Linear)
+    assert_equal_or_near_ties(vanilla, outputs, hf_generate)
+
+
+@pytest.mark.parametrize("method, options", [("pld", {"num_tokens": 8}), ("sps", {"draft": LLAMA2XS}),
+                                             ("eagle2", {"draft": EAGLE_HEAD})])
+def test_every_method_decodes_what_vanilla_decodes_with_the_same_weights(quantized_stories, method, options):
+    fmt, vanilla, outputs = quantized_stories
+    speculator = specula.load(vanilla.target, method=method, **options)
+    accepted = []
+
+    def decode(prompt):
+        result = speculator.generate(prompt, max_new_tokens=NEW_TOKENS)
+        accepted.append(sum(result.stats.accepted_lengths))
+        return result.token_ids
+
+    assert_equal_or_near_ties(vanilla, outputs, decode)
+    assert sum(accepted) > 0, f"{method} never accepted a draft token in {fmt}, so the test proved nothing"
+
+
+def test_divergence_helper_tells_near_ties_from_real_differences():
+    model = tiny_model("llama", seed=4)
+    target = Target(model)
+    prompt = torch.tensor([5, 17, 3, 42])
+    context = prompt.clone()
+    expected = []
+    for _ in range(6):
+        token = int(target.prefill(context).logits[-1].argmax())
+        expected.append(token)
+        context = torch.cat([context, torch.tensor([token])])
+    assert find_divergence(target, prompt, expected, list(expected)) is None
+    # The least likely token at step 3 is far from a tie.
+    logits = target.prefill(torch.cat([prompt, torch.tensor(expected[:3])])).logits[-1]
+    wrong = expected[:3] + [int(logits.argmin())] + expected[4:]
+    real = find_divergence(target, prompt, expected, wrong)
+    assert real.position == 3 and real.margin > 0.1 and not real.near_tie
+    assert "NOT a near-tie" in real.describe()
+    # A token whose output row equals the chosen one's ties it exactly.
+    twin = (expected[3] + 1) % model.config.vocab_size
+    model.lm_head.weight.data[twin] = model.lm_head.weight.data[expected[3]]
+    tie = find_divergence(target, prompt, expected, expected[:3] + [twin] + expected[4:])
+    assert tie.near_tie and tie.margin == 0
+
+
+def test_argmax_agreement_counts_positions_and_reference_margins():
+    reference = torch.tensor([[3.0, 1.0, 0.0], [0.0, 2.0, 1.9], [0.0, 0.0, 5.0]])
+    other = torch.tensor([[2.0, 1.0, 0.0], [0.0, 1.0, 1.5], [0.0, 6.0, 5.0]])
+    agreement = argmax_agreement(reference, other)
+    assert (agreement.positions, agreement.agreeing) == (3, 1)
+    assert agreement.near_ties(0.5) == 1 and agreement.near_ties(10) == 2
+
+
+# ---------------------------------------------------------------- command line
+
+
+def generate(capfd, *args) -> tuple[int, str, str]:
+    code = main(["generate", *(str(a) for a in args)])
+    out, err = capfd.readouterr()
+    return code, out, err
+
+
+def test_generate_runs_with_int4_weights(capfd):
+    code, out, err = generate(capfd, "--target", STORIES, "--prompt", "Once upon a time", "--max-new-tokens", 8,
+                              "--weights", "int4", "--raw", "--json")
+    assert code == 0, err
+    expected = specula.load(STORIES, weights="int4").generate("Once upon a time", max_new_tokens=8, raw=True)
+    assert json.loads(out)["token_ids"] == expected.token_ids
+
+
+def test_a_bad_weights_value_is_one_error_line(capfd):
+    code, out, err = generate(capfd, "--target", STORIES, "--prompt", "hi", "--weights", "int3")
+    assert code == 2 and out == ""
+    assert len(err.splitlines()) == 1 and err.startswith("specula: error: ") and "--weights" in err, err
