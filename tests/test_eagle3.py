@@ -28,7 +28,7 @@ def eagle3_samples(stories_target, stories_samples):
     for sample in stories_samples:
         out = stories_target.prefill(sample["input_ids"], request)
         layers = torch.stack([out.layer_inputs[i] for i in request.layer_inputs], 1)
-        samples.append({**sample, "hidden": out.hidden, "layer_inputs": layers})
+        samples.append({**sample, "hidden": out.hidden, "target_top": out.logits.argmax(-1), "layer_inputs": layers})
     return samples
 
 

@@ -58,10 +58,13 @@ def eagle3_loss(target: Target, steps: int = DEFAULT_STEPS, decay: float = STEP_
         dtype = core.fc.weight.dtype
         features = core.sample_features(batch).to(dtype)
         with torch.no_grad():
-            target_logits = lm_head(batch["hidden"].to(lm_head.weight.dtype)).float()  # [B, T, V]
             vocab = core.target_vocab_ids()
-            in_vocab = torch.ones_like(valid) if core.t2d is None else core.t2d[target_logits.argmax(-1)]
-            target_probs = torch.softmax(target_logits[..., vocab], dim=-1)  # [B, T, Vd]
+            # Only the draft vocabulary's rows of the LM head: the target's full argmax was kept with the
+            # features (target_top), so the 49,152-wide product is never repeated at training time.
+            rows = lm_head.weight[vocab] if core.t2d is not None else lm_head.weight
+            target_logits = (batch["hidden"].to(rows.dtype) @ rows.T).float()  # [B, T, Vd]
+            in_vocab = torch.ones_like(valid) if core.t2d is None else core.t2d[batch["target_top"]]
+            target_probs = torch.softmax(target_logits, dim=-1)  # [B, T, Vd]
             # Position p decides token t_{p+1}: train where that is a response token (or p is the last one).
             decides = response.clone()
             decides[:, :-1] |= response[:, 1:]
@@ -131,7 +134,8 @@ def train_eagle3(target: Target, train_set, eval_set, out: Path, config: TrainCo
         report["draft_vocab_coverage"] = round(coverage, 4)
         return report
 
-    keys = ("input_ids", "loss_mask", "hidden") + (("layer_inputs",) if head.feature_request().layer_inputs else ())
+    keys = ("input_ids", "loss_mask", "hidden", "target_top")
+    keys += ("layer_inputs",) if head.feature_request().layer_inputs else ()
     return run_training(head, train_set, eagle3_loss(target, options.steps), config, out,
                         save_head=lambda model, directory: model.save_pretrained(directory), keys=keys,
                         resume=resume, evaluate=evaluate if len(eval_set) else None, log=log, kind="train eagle3")

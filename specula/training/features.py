@@ -1,9 +1,10 @@
-"""Target features of training samples: batched-free feature passes and the on-disk feature cache.
+"""Target features of training samples: batched feature passes and the on-disk feature cache.
 
 Feature cache (`cache_features`, `CachedFeatures`): ``cache_dir/manifest.json`` and shards
 ``features-00000.safetensors``…; each shard packs its samples' tokens end to end: ``input_ids`` int64
 [N], ``loss_mask`` bool [N], ``offsets`` int64 [n + 1] (sample k is rows offsets[k]:offsets[k+1]),
-``hidden`` [N, H] (final post-norm hidden states) and ``layer_inputs`` [N, L, H] (inputs of the
+``hidden`` [N, H] (final post-norm hidden states), ``target_top`` int64 [N] (the target's argmax token at each
+position, with ``hidden``) and ``layer_inputs`` [N, L, H] (inputs of the
 requested decoder layers, in the request's order), as `Target.prefill` returns them over the whole
 sample. Features are stored in the target's dtype, bit for bit what the target computed (float32 for a
 float32 target; half the disk for bfloat16); trainers cast them. A shard is written to a temporary
@@ -26,19 +27,21 @@ from specula.errors import SpeculaError
 from specula.outputs import atomic_write, atomic_write_text
 from specula.readers import check_safetensors, open_safetensors
 from specula.target import FeatureRequest, Target
-from specula.training.fingerprints import FORMAT_VERSION, cache_mismatch, samples_hash, stable_hash, target_fingerprint
+from specula.training.fingerprints import cache_mismatch, samples_hash, stable_hash, target_fingerprint
 from specula.training.records import Log, TrainingSample
 
 MANIFEST_FILE = "manifest.json"
+FEATURES_VERSION = 2  # 2: shards hold target_top (a cache of version 1 is refused, not misread)
 
 
 def cache_features(target: Target, samples: Sequence[TrainingSample], cache_dir: str | Path,
                    request: FeatureRequest, shard_size: int = 128, progress: bool = True,
-                   log: Log | None = print) -> CachedFeatures:
+                   log: Log | None = print, batch_tokens: int = 4096) -> CachedFeatures:
     """Run the target over every sample (teacher forcing) and keep the requested features on disk.
 
     Shards already on disk from an interrupted run with the same fingerprint are kept; a cache
-    built for other samples, another target or another request is refused.
+    built for other samples, another target or another request is refused. Samples of similar
+    length run together, about ``batch_tokens`` (padded) tokens per forward (`batched_features`).
     """
     from safetensors.torch import save_file
     from tqdm.auto import tqdm
@@ -54,7 +57,7 @@ def cache_features(target: Target, samples: Sequence[TrainingSample], cache_dir:
                            f"{target.max_length}")
     components = {
         "samples": samples_hash(samples), "target": target_fingerprint(target),
-        "request": _request_dict(request), "shard_size": shard_size, "version": FORMAT_VERSION,
+        "request": _request_dict(request), "shard_size": shard_size, "version": FEATURES_VERSION,
     }
     fingerprint = stable_hash(components)
     directory = Path(cache_dir)
@@ -68,7 +71,7 @@ def cache_features(target: Target, samples: Sequence[TrainingSample], cache_dir:
             raise cache_mismatch("the feature cache", directory, manifest.get("components", {}), components)
     else:
         manifest = {
-            "format": "specula-features", "version": FORMAT_VERSION, "fingerprint": fingerprint,
+            "format": "specula-features", "version": FEATURES_VERSION, "fingerprint": fingerprint,
             "components": components,
             "target": {"name": target.name, "path": str(getattr(target.config, "_name_or_path", "")),
                        "model_type": target.config.model_type, "hidden_size": int(target.config.hidden_size)},
@@ -86,15 +89,13 @@ def cache_features(target: Target, samples: Sequence[TrainingSample], cache_dir:
     tokens, started = 0, time.perf_counter()
     for shard in todo:
         part = samples[shard["first"]:shard["first"] + shard["count"]]
-        hidden, layers = [], []
-        for sample in part:
-            out = target.prefill(sample.input_ids.to(target.device), request)
-            if request.final_hidden:
-                hidden.append(out.hidden.detach().cpu())
-            if request.layer_inputs:
-                layers.append(torch.stack([out.layer_inputs[i] for i in request.layer_inputs], 1).detach().cpu())
-            tokens += int(sample.input_ids.shape[0])
-            bar.update(1)
+        items: list[dict[str, torch.Tensor]] = [{}] * len(part)
+        for rows in _length_batches(part, batch_tokens):
+            for row, item in zip(rows, batched_features(target, [part[r].input_ids for r in rows], request),
+                                 strict=True):
+                items[row] = item
+                tokens += int(part[row].input_ids.shape[0])
+            bar.update(len(rows))
             bar.set_postfix(tok_s=f"{tokens / max(time.perf_counter() - started, 1e-9):.0f}")
         lengths = torch.tensor([int(s.input_ids.shape[0]) for s in part], dtype=torch.long)
         tensors = {
@@ -102,10 +103,8 @@ def cache_features(target: Target, samples: Sequence[TrainingSample], cache_dir:
             "loss_mask": torch.cat([s.loss_mask for s in part]).bool(),
             "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
         }
-        if hidden:
-            tensors["hidden"] = torch.cat(hidden)
-        if layers:
-            tensors["layer_inputs"] = torch.cat(layers)
+        for name in _feature_names(request):
+            tensors[name] = torch.cat([item[name] for item in items])
         tensors = {k: v.contiguous() for k, v in tensors.items()}
         metadata = {"first": str(shard["first"]), "count": str(shard["count"])}
         atomic_write(directory / shard["file"], lambda tmp, t=tensors, m=metadata: save_file(t, tmp, metadata=m))
@@ -115,6 +114,60 @@ def cache_features(target: Target, samples: Sequence[TrainingSample], cache_dir:
         manifest["complete"] = True
         atomic_write_text(manifest_path, json.dumps(manifest, indent=1))
     return CachedFeatures(directory)
+
+
+def batched_features(target: Target, sequences: Sequence[torch.Tensor], request: FeatureRequest,
+                     ) -> list[dict[str, torch.Tensor]]:
+    """Each sequence's features from one forward: ``hidden`` [T_k, H] and ``target_top`` int64 [T_k] (the
+    target's argmax token at each position) when the final hidden is requested, ``layer_inputs`` [T_k, L, H].
+
+    The sequences are right-padded into one [B, T] batch and run through the model's own forward
+    without a KV cache: under causal attention a real token never sees the padding after it, so each
+    row's features are its sequence's (up to the rounding of other matmul shapes, the same tolerance
+    as any batched inference) — at thousands of tokens/s where one `Target.prefill` per sample, with
+    its cache sized to the model's whole context, ran at hundreds.
+    """
+    base = getattr(target.model, target.model.base_model_prefix)
+    lengths = [int(s.shape[0]) for s in sequences]
+    ids = torch.zeros(len(sequences), max(lengths), dtype=torch.long)
+    for row, sequence in enumerate(sequences):
+        ids[row, : lengths[row]] = sequence
+    with torch.no_grad():
+        out = base(input_ids=ids.to(target.device), use_cache=False,
+                   output_hidden_states=bool(request.layer_inputs))
+    return [_features_of(target, out.last_hidden_state[row, :length],
+                         [out.hidden_states[i][row, :length] for i in request.layer_inputs] if request.layer_inputs
+                         else [], request) for row, length in enumerate(lengths)]
+
+
+def _features_of(target: Target, hidden: torch.Tensor, layers: list[torch.Tensor], request: FeatureRequest,
+                 ) -> dict[str, torch.Tensor]:
+    """The stored features of one sequence from its final hidden [T, H] and requested layer inputs ([T, H] each).
+
+    ``target_top`` is kept so that a trainer restricted to a draft vocabulary knows whether the target's
+    choice lies in it without multiplying by the whole LM head again at every step of every epoch.
+    """
+    item = {}
+    if request.final_hidden:
+        with torch.no_grad():
+            item["hidden"] = hidden.detach().cpu()
+            item["target_top"] = target.model.get_output_embeddings()(hidden).argmax(-1).cpu()
+    if layers:
+        item["layer_inputs"] = torch.stack(layers, 1).detach().cpu()
+    return item
+
+
+def _length_batches(samples: Sequence[TrainingSample], batch_tokens: int) -> list[list[int]]:
+    """Indices of ``samples`` in groups of similar length, each at most ``batch_tokens`` padded tokens."""
+    order = sorted(range(len(samples)), key=lambda k: int(samples[k].input_ids.shape[0]))
+    groups: list[list[int]] = []
+    for k in order:
+        length = int(samples[k].input_ids.shape[0])  # the longest so far, as the order is ascending
+        if groups and (len(groups[-1]) + 1) * length <= batch_tokens:
+            groups[-1].append(k)
+        else:
+            groups.append([k])
+    return groups
 
 
 class CachedFeatures:
@@ -153,12 +206,7 @@ class CachedFeatures:
         handle, offsets = self._shard(k)
         local = index - self.shards[k]["first"]
         a, b = offsets[local], offsets[local + 1]
-        names = ["input_ids", "loss_mask"]
-        if self.request.final_hidden:
-            names.append("hidden")
-        if self.request.layer_inputs:
-            names.append("layer_inputs")
-        return {name: handle.get_slice(name)[a:b] for name in names}
+        return {name: handle.get_slice(name)[a:b] for name in ("input_ids", "loss_mask", *_feature_names(self.request))}
 
     def _shard(self, k: int):
         if k not in self._open:
@@ -193,12 +241,15 @@ class OnlineFeatures:
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         sample = self.samples[index]
         out = self.target.prefill(sample.input_ids.to(self.target.device), self.request)
-        item = {"input_ids": sample.input_ids, "loss_mask": sample.loss_mask}
-        if self.request.final_hidden:
-            item["hidden"] = out.hidden.detach().cpu()
-        if self.request.layer_inputs:
-            item["layer_inputs"] = torch.stack([out.layer_inputs[i] for i in self.request.layer_inputs], 1).cpu()
-        return item
+        layers = [out.layer_inputs[i] for i in self.request.layer_inputs]
+        return {"input_ids": sample.input_ids, "loss_mask": sample.loss_mask,
+                **_features_of(self.target, out.hidden, layers, self.request)}
+
+
+def _feature_names(request: FeatureRequest) -> tuple[str, ...]:
+    """The per-token tensors stored for a request, besides ``input_ids`` and ``loss_mask``."""
+    return (("hidden", "target_top") if request.final_hidden else ()) + (
+        ("layer_inputs",) if request.layer_inputs else ())
 
 
 def _check_request(target: Target, request: FeatureRequest) -> None:
