@@ -51,10 +51,17 @@ def _config(model_dir: Path) -> dict:
         raise SpeculaError(f"{model_dir} has attention or MLP biases, which llama.cpp's llama architecture lacks")
     if config.get("hidden_act", "silu") != "silu":
         raise SpeculaError(f"{model_dir} uses the activation {config['hidden_act']!r}; llama.cpp's llama uses SiLU")
-    scaling = config.get("rope_scaling") or {}
-    if scaling.get("rope_type", scaling.get("type", "default")) != "default":
-        raise SpeculaError(f"{model_dir} uses RoPE scaling {scaling}, which this export does not write")
+    rope = rope_parameters(config)
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise SpeculaError(f"{model_dir} uses RoPE scaling {rope}, which this export does not write")
     return config
+
+
+def rope_parameters(config: dict) -> dict:
+    """RoPE settings wherever the config keeps them: ``rope_parameters`` (transformers 5) or the older
+    top-level ``rope_theta`` and ``rope_scaling``."""
+    return {"rope_theta": config.get("rope_theta", 10000.0), **(config.get("rope_scaling") or {}),
+            **(config.get("rope_parameters") or {})}
 
 
 def _state_dict(model_dir: Path) -> dict[str, np.ndarray]:
@@ -97,11 +104,15 @@ def llama_tensors(state: dict[str, np.ndarray], config: dict) -> list[tuple[str,
     return out
 
 
-def build_writer(model_dir: Path, outtype: str = "f32"):
-    """A `gguf.GGUFWriter` holding every key and tensor of the target's GGUF (nothing written yet)."""
+def build_writer(model_dir: Path, outtype: str = "f32", vocab_gguf: Path | None = None):
+    """A `gguf.GGUFWriter` holding every key and tensor of the target's GGUF (nothing written yet).
+
+    The tokenizer is copied from ``vocab_gguf`` when given (e.g. the GGUF the directory was
+    dequantized from, for tokenizers `add_hf_vocab` cannot write), else built from the directory.
+    """
     import gguf
 
-    from specula.gguf_vocab import add_hf_vocab
+    from specula.gguf_vocab import add_hf_vocab, copy_gguf_vocab
 
     if outtype not in OUTTYPES:
         raise SpeculaError(f"unknown GGUF output type '{outtype}'; choose one of {', '.join(OUTTYPES)}")
@@ -118,7 +129,7 @@ def build_writer(model_dir: Path, outtype: str = "f32"):
     writer.add_feed_forward_length(int(config["intermediate_size"]))
     writer.add_head_count(heads)
     writer.add_head_count_kv(int(config.get("num_key_value_heads") or heads))
-    writer.add_rope_freq_base(float(config.get("rope_theta", 10000.0)))
+    writer.add_rope_freq_base(float(rope_parameters(config)["rope_theta"]))
     writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
@@ -129,18 +140,22 @@ def build_writer(model_dir: Path, outtype: str = "f32"):
     for name, data in llama_tensors(_state_dict(model_dir), config):
         qtype = gguf.GGMLQuantizationType.F32 if data.ndim <= 1 or name.endswith("norm.weight") else wide
         writer.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(data), qtype), raw_dtype=qtype)
-    add_hf_vocab(writer, model_dir, int(config["vocab_size"]))
+    if vocab_gguf is not None:
+        copy_gguf_vocab(writer, gguf.GGUFReader(vocab_gguf))
+    else:
+        add_hf_vocab(writer, model_dir, int(config["vocab_size"]))
     return writer
 
 
-def export_llama_gguf(model_dir: str | Path, out_file: str | Path, outtype: str = "f32") -> Path:
+def export_llama_gguf(model_dir: str | Path, out_file: str | Path, outtype: str = "f32",
+                      vocab_gguf: str | Path | None = None) -> Path:
     """Write the Hugging Face Llama model in ``model_dir`` as a llama.cpp GGUF ``out_file`` (atomically)."""
     from specula.outputs import atomic_write
 
     model_dir, out = Path(model_dir), Path(out_file)
     if out.suffix.lower() != ".gguf":
         raise SpeculaError(f"{out} must name a .gguf file")
-    writer = build_writer(model_dir, outtype)
+    writer = build_writer(model_dir, outtype, None if vocab_gguf is None else Path(vocab_gguf))
     out.parent.mkdir(parents=True, exist_ok=True)
 
     def write(tmp: str) -> None:
