@@ -33,6 +33,8 @@ from specula.cli import build_parser
 from specula.errors import SpeculaError
 from specula.sampling import SamplingParams
 
+HEAD = Path(__file__).resolve().parent / "data" / "eagle3-stories260k"  # our EAGLE-3 head for stories260k
+
 # ---------------------------------------------------------------- a fake llama-server
 
 FAKE_SERVER = '''
@@ -332,21 +334,24 @@ def test_real_llama_server_rows_on_stories260k(tmp_path, started):
         {"question_id": "lily", "category": "story", "turns": ["Once upon a time", "Then"]},
         {"question_id": "tom", "category": "story", "prompt": "Tom and his dog went to the park"}]))
     out = tmp_path / "out"
-    assert run_command("bench", "--target", STORIES, "--methods", "vanilla,llamacpp,llamacpp-draft",
+    assert run_command("bench", "--target", STORIES, "--methods", "vanilla,llamacpp,llamacpp-draft,eagle3-head",
                        "--option", f"llamacpp-draft.draft={LLAMA2XS}", "--option", "llamacpp-draft.draft_max=3",
+                       "--option", "eagle3-head.method=llamacpp-draft", "--option", f"eagle3-head.draft={HEAD}",
+                       "--option", "eagle3-head.spec_type=draft-eagle3",
                        "--data", questions, "--temperature", "0,1", "--max-new-tokens", 24, "--threads", 1,
                        "--dtype", "float32", "--out", out, "--no-profile", "--no-progress",
                        "--llama-server", REAL) == 0
     results = json.loads((out / "results.json").read_text())
     greedy = results["aggregates"]["0"]
-    for label in ("llamacpp", "llamacpp-draft"):
+    for label in ("llamacpp", "llamacpp-draft", "eagle3-head"):
         # the same F32 weights in llama.cpp: equal to our vanilla, or different only at floating-point near-ties
         assert (greedy[label]["overall"]["greedy_divergences"] or {"real": 0})["real"] == 0, label
     assert greedy["llamacpp"]["overall"]["tau"] == 1.0
     assert greedy["llamacpp-draft"]["overall"]["tau"] > 1.0  # llama2xs drafts tokens stories260k accepts
+    assert greedy["eagle3-head"]["overall"]["tau"] > 1.0  # our head, exported to GGUF, drafts in llama.cpp
     for record in results["records"]:
         if record["method"].startswith("llamacpp"):
             assert record["llamacpp"]["predicted_n"] == record["new_tokens"] > 0
     assert "llama.cpp's own timings" in (out / "results.md").read_text()
     servers = [p for p in started if "--port" in p.args]
-    assert len(servers) == 2 and all(p.poll() is not None for p in servers)
+    assert len(servers) == 3 and all(p.poll() is not None for p in servers)
