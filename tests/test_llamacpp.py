@@ -255,6 +255,20 @@ def test_bench_without_a_binary_fails_before_loading_anything(tmp_path, monkeypa
     assert not out.exists()
 
 
+def test_config_names_the_binary_and_the_command_records_it(tmp_path, fake_binary):
+    from specula.cli.bench import bench_settings
+
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(json.dumps({"question_id": "a", "category": "c", "prompt": "Once upon a time"}) + "\n")
+    config = tmp_path / "bench.toml"
+    config.write_text(f'[bench]\nllama_server = "{fake_binary}"\nmethods = ["vanilla", "llamacpp"]\n')
+    args = build_parser().parse_args(["bench", "--config", str(config), "--target", str(STORIES), "--data",
+                                      str(questions), "--out", str(tmp_path / "out"), "--no-profile"])
+    settings = bench_settings(args)
+    assert settings.llama_server == str(fake_binary.resolve())
+    assert f"--llama-server {fake_binary.resolve()}" in settings.command
+
+
 # ---------------------------------------------------------------- the server's lifecycle (fake binary)
 
 

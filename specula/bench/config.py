@@ -17,6 +17,12 @@
     draft = "models/eagle-pycoder-25m"
     total_tokens = 16
 
+    [methods.llamacpp-eagle3]    # llama.cpp's own drafting (needs llama-server: --llama-server PATH)
+    method = "llamacpp-draft"
+    spec_type = "draft-eagle3"   # or "draft-simple" with a draft model's GGUF or Llama directory
+    draft = "runs/eagle3-smollm2"
+    draft_max = 3
+
 A method's table holds ``method`` (default: its label), ``draft`` (the draft
 model or head directory) and any keyword options of its drafter; on the
 command line ``--option LABEL.KEY=VALUE`` sets or overrides one of them
