@@ -17,6 +17,12 @@
     draft = "models/eagle-pycoder-25m"
     total_tokens = 16
 
+    [methods.llamacpp-eagle3]    # llama.cpp's own drafting (needs llama-server: --llama-server PATH)
+    method = "llamacpp-draft"
+    spec_type = "draft-eagle3"   # or "draft-simple" with a draft model's GGUF or Llama directory
+    draft = "runs/eagle3-smollm2"
+    draft_max = 3
+
 A method's table holds ``method`` (default: its label), ``draft`` (the draft
 model or head directory) and any keyword options of its drafter; on the
 command line ``--option LABEL.KEY=VALUE`` sets or overrides one of them
@@ -31,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from specula.bench.llamacpp_options import LLAMACPP_METHODS, check_llamacpp_options
 from specula.errors import SpeculaError
 from specula.methods import METHODS, AcceptanceOptions, check_options
 
@@ -41,7 +48,7 @@ HF_METHODS = {
     "hf_pld": {"num_tokens", "max_matching_ngram_size"},
 }
 BENCH_KEYS = {"target", "methods", "data", "category", "temperature", "max_new_tokens", "limit", "seed", "out",
-              "dtype", "device", "threads", "top_p", "top_k", "max_prompt_tokens", "warmup_tokens"}
+              "dtype", "device", "threads", "top_p", "top_k", "max_prompt_tokens", "warmup_tokens", "llama_server"}
 
 
 @dataclass
@@ -56,6 +63,10 @@ class MethodSpec:
     @property
     def is_hf(self) -> bool:
         return self.method in HF_METHODS
+
+    @property
+    def is_llamacpp(self) -> bool:
+        return self.method in LLAMACPP_METHODS
 
     def as_dict(self) -> dict:
         return {"method": self.method, "draft": self.draft, "options": dict(sorted(self.options.items()))}
@@ -119,8 +130,8 @@ def parse_option(text: str) -> tuple[str, str, Any]:
 
 
 def known_methods() -> tuple[str, ...]:
-    """Our methods (the registry's) followed by the `transformers` baselines."""
-    return tuple(METHODS) + tuple(HF_METHODS)
+    """Our methods (the registry's) followed by the `transformers` and llama.cpp baselines."""
+    return tuple(METHODS) + tuple(HF_METHODS) + tuple(LLAMACPP_METHODS)
 
 
 def method_specs(labels: list[str], tables: dict[str, dict], overrides: list[str] | None = None,
@@ -156,7 +167,9 @@ def method_specs(labels: list[str], tables: dict[str, dict], overrides: list[str
             if method == "hf_assisted" and not draft:
                 raise SpeculaError(f"method {label} (hf_assisted) needs a draft model: set draft in "
                                    f"[methods.{label}] or --option {label}.draft=DIR")
-        if method not in HF_METHODS:
+        if method in LLAMACPP_METHODS:
+            table = check_llamacpp_options(label, method, draft, table)
+        elif method not in HF_METHODS:
             table = checked_options(label, method, table, (defaults or {}).get(method, {}))
         specs.append(MethodSpec(label, method, draft, table))
     return specs

@@ -74,7 +74,8 @@ def markdown(results: dict) -> str:
         + (f", at most {settings['limit']} questions per category" if settings.get("limit") else "") + ".",
         "",
         "Cells are speedup over vanilla (ratio of mean per-question tokens/s) / τ (tokens per target forward; "
-        "for `transformers` baselines counted from the target's forward calls).",
+        "for `transformers` baselines counted from the target's forward calls, for llama.cpp rows from its draft "
+        "counters).",
     ]
     turns = [t for r in results.get("records", []) for t in r["turns"]]
     cut = sum(1 for t in turns if t.get("cut_tokens"))
@@ -118,11 +119,13 @@ def markdown(results: dict) -> str:
         if real:
             lines += ["", "**Greedy outputs differ from vanilla beyond floating-point near-ties for: "
                           f"{', '.join(real)}.** For our methods this is a bug to report; `transformers` "
-                          "baselines can differ by floating-point rounding."]
+                          "baselines can differ by floating-point rounding, llama.cpp rows also because llama.cpp "
+                          "computes with quantized weights and activations where our target dequantizes."]
         if set(unequal) - set(real):
             lines += ["", f"Greedy outputs of {', '.join(m for m in unequal if m not in real)} differ from vanilla "
                           "only where the target's top two logits tie within the dtype's rounding noise (near-ties, "
                           "as `specula check` classifies them)."]
+        lines += _llamacpp_lines(results.get("llamacpp", {}).get(temperature))
     lines += [
         "",
         "α: accepted over tried draft tokens; αd: acceptance rate at depth d of the draft (among cycles that "
@@ -135,6 +138,20 @@ def markdown(results: dict) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _llamacpp_lines(table: dict | None) -> list[str]:
+    """llama.cpp's own timings of its rows at one temperature (`specula.bench.llamacpp.server_table`)."""
+    if not table:
+        return []
+    lines = ["", "llama.cpp's own timings (tokens/s above is new tokens over llama.cpp's prefill + decode time):", "",
+             "| method | questions | decode tokens/s (llama.cpp) | tokens/s at the client (HTTP included) | "
+             "drafted | accepted |", "|---|---|---|---|---|---|"]
+    for method, row in table.items():
+        lines.append(f"| {method} | {row['questions']} | {_num(row['decode_tokens_per_s'], '.1f')} | "
+                     f"{_num(row['client_tokens_per_s'], '.1f')} | {row['draft_n'] or '–'} | "
+                     f"{_num(row['draft_acceptance'], '.0%')} |")
+    return lines
 
 
 def _pyplot():

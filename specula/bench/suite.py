@@ -21,6 +21,7 @@ before a field existed lack it and count as "no data" for it, so older results.j
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -67,6 +68,7 @@ class BenchSettings:
     profile: dict | None = None
     progress: bool = True
     command: str = ""
+    llama_server: str | None = None  # the llama-server binary of llama.cpp rows
 
 
 def question_seed(seed: int, uid: str, turn: int, temperature: float) -> int:
@@ -150,13 +152,14 @@ def _turn_dict(prompt_len: int, cut: int, result) -> dict:
         "prompt_tokens": prompt_len, "cut_tokens": cut, "token_ids": result.token_ids,
         "new_tokens": len(result.token_ids), "wall_time": result.wall_time, "cycles": result.cycles,
         "draft_time": result.draft_time, "verify_time": result.verify_time, "prefill_time": result.prefill_time,
-        "accepted_lengths": result.accepted_lengths, "stop_reason": result.stop_reason,
+        "accepted_lengths": result.accepted_lengths, "stop_reason": result.stop_reason, **result.extra,
     }
 
 
 def run_question(runner, spec: MethodSpec, question: Question, tokenizer, temperature: float,
                  settings: BenchSettings, max_prompt_tokens: int) -> dict:
     """Every turn of one question with one method; the model's own answers go back into the context."""
+    from specula.bench.llamacpp import summarize_turns
     from specula.bench.runners import conversation_ids, rss_mb
 
     params = SamplingParams(temperature, settings.top_k, settings.top_p)
@@ -181,6 +184,7 @@ def run_question(runner, spec: MethodSpec, question: Question, tokenizer, temper
         node_tried = add_counts(node_tried, r.node_depth_tried or [])
         node_hits = add_counts(node_hits, r.node_depth_accepted or [])
     peaks = [r.cuda_peak_mb for r in results if r.cuda_peak_mb is not None]
+    server = summarize_turns(turns)  # llama.cpp rows: its own decode rate, client wall time, draft counters
     return {
         "question": question.uid, "dataset": question.dataset, "category": question.category,
         "subcategory": question.subcategory, "method": spec.label, "temperature": temperature,
@@ -194,14 +198,23 @@ def run_question(runner, spec: MethodSpec, question: Question, tokenizer, temper
         "calibration": merge_calibration(r.calibration for r in results),
         "rss_mb": rss_mb(), "cuda_peak_mb": max(peaks) if peaks else None,
         "repetition": repetition([t for turn in turns for t in turn["token_ids"]]),
-    }
+    } | ({"llamacpp": server} if server else {})
 
 
 def run_bench(settings: BenchSettings) -> dict:
-    """Run (or resume) the benchmark; writes results.json, results.md and the plots; returns the results."""
+    """Run (or resume) the benchmark; writes results.json, results.md and the plots; returns the results.
+
+    Runners that hold a resource (llama.cpp's server) are closed on the way out, on errors and Ctrl-C too.
+    """
+    with contextlib.ExitStack() as resources:
+        return _run_bench(settings, resources)
+
+
+def _run_bench(settings: BenchSettings, resources: contextlib.ExitStack) -> dict:
     from tqdm import tqdm
 
     from specula.bench.divergences import annotate_divergences
+    from specula.bench.llamacpp import LlamaCppRunner, server_table
     from specula.bench.report import write_report
     from specula.bench.runners import conversation_ids, make_runner, max_rss_mb, rss_mb
     from specula.target import Target
@@ -223,7 +236,11 @@ def run_bench(settings: BenchSettings) -> dict:
     runners, load_rss = {}, {}
     for spec in settings.methods:
         before = rss_mb()
-        runners[spec.label] = make_runner(spec, target, settings.dtype)
+        if spec.is_llamacpp:
+            runners[spec.label] = LlamaCppRunner(spec, target, settings.llama_server, settings.target, threads)
+            resources.callback(runners[spec.label].close)
+        else:
+            runners[spec.label] = make_runner(spec, target, settings.dtype)
         load_rss[spec.label] = round(rss_mb() - before, 1)
     # Every method sees the same prompts, so they must fit the smallest context of all models in the run.
     context, smallest = target.max_length, target.name
@@ -271,6 +288,9 @@ def run_bench(settings: BenchSettings) -> dict:
                "environment": environment(settings, target), "target_load_rss_mb": round(target_rss, 1),
                "method_load_rss_mb": {**(previous or {}).get("method_load_rss_mb", {}), **load_rss},
                "records": records}
+    servers = {label: f"{r.binary} ({r.version})" for label, r in runners.items() if hasattr(r, "version")}
+    if servers:
+        results["environment"]["llama_server"] = servers
     path = results_path(out)
     bar = tqdm(total=len(work), desc="bench", unit="run", disable=not settings.progress, file=sys.stderr,
                dynamic_ncols=True)
@@ -291,6 +311,9 @@ def run_bench(settings: BenchSettings) -> dict:
     baseline = _baseline_label(run_settings["methods"])
     annotate_divergences(records, target, {q.uid: q for q in settings.questions}, baseline, max_prompt_tokens)
     results["aggregates"] = aggregate(records, labels, baseline=baseline, hf_methods=hf_labels)
+    llamacpp = server_table(records)
+    if llamacpp:
+        results["llamacpp"] = llamacpp
     write_json(path, results)
     write_report(results, out)
     return results

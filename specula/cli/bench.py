@@ -16,6 +16,7 @@ from pathlib import Path
 
 from specula.bench.calibrate import CalibrationOptions, calibrate, format_report
 from specula.bench.config import method_specs, parse_option, read_config
+from specula.bench.llama_server import find_llama_server
 from specula.bench.questions import load_questions, read_questions
 from specula.bench.suite import BenchSettings, run_bench
 from specula.bench.vanilla_vs_hf import DEFAULT_PROMPTS, read_prompts
@@ -75,8 +76,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--target", metavar="DIR", help="target model (default: the bundled SmolLM2-135M-Instruct)")
     p.add_argument("--methods", metavar="LIST",
                    help="comma-separated method labels: our methods (vanilla, sps, pld, eagle, eagle2, ...) and "
-                        "transformers baselines hf, hf_assisted, hf_pld; a label may name any method via its "
-                        "config table")
+                        "transformers baselines hf, hf_assisted, hf_pld, llama.cpp baselines llamacpp, "
+                        "llamacpp-draft; a label may name any method via its config table")
     p.add_argument("--option", action="append", default=[], metavar="LABEL.KEY=VALUE",
                    help="a method option, e.g. sps.draft=../shared/models/llama2xs or eagle2.total_tokens=16 "
                         "(repeatable; overrides the config)")
@@ -97,6 +98,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=positive_int, metavar="N",
                    help="torch threads, fixed for the run (default: torch's current setting)")
     p.add_argument("--warmup-tokens", type=positive_int, metavar="N", help="warm-up length per method (default 16)")
+    p.add_argument("--llama-server", metavar="PATH",
+                   help="llama.cpp's llama-server binary for the llamacpp rows (default: $SPECULA_LLAMA_SERVER, "
+                        "else llama-server on PATH)")
     p.add_argument("--profile", type=Path, metavar="FILE",
                    help="hardware profile from specula calibrate (default: the target's, when present)")
     p.add_argument("--no-profile", action="store_true", help="ignore any hardware profile")
@@ -137,7 +141,14 @@ def bench_settings(args: argparse.Namespace):
     device = str(pick("device", "cpu"))
     labels = _split(pick("methods"))
     specs = method_specs(labels, config["methods"], args.option, all_defaults(profile, device))
+    llama_server = None
+    if any(spec.is_llamacpp for spec in specs):
+        llama_server = str(find_llama_server(pick("llama_server")))  # before any model loads: fail fast
     for spec in specs:
+        if spec.is_llamacpp:
+            if spec.draft is not None and not Path(spec.draft).exists():
+                raise SpeculaError(f"draft of method {spec.label} not found: {spec.draft}")
+            continue
         if spec.is_hf:
             if spec.draft is not None and not Path(spec.draft).is_dir():
                 raise SpeculaError(f"draft directory of method {spec.label} not found: {spec.draft}")
@@ -153,7 +164,7 @@ def bench_settings(args: argparse.Namespace):
         dtype=str(pick("dtype", "auto")), device=device, threads=_int(pick("threads"), "threads"),
         top_p=top_p, top_k=top_k, max_prompt_tokens=_int(pick("max_prompt_tokens"), "max_prompt_tokens"),
         warmup_tokens=_int(pick("warmup_tokens", 16), "warmup_tokens"), categories=categories, limit=limit,
-        profile=profile, progress=not args.no_progress,
+        profile=profile, progress=not args.no_progress, llama_server=llama_server,
     )
     settings.command = canonical_command(settings)
     return settings
@@ -176,6 +187,8 @@ def canonical_command(settings) -> str:
         parts += ["--max-prompt-tokens", str(settings.max_prompt_tokens)]
     if (settings.top_k, settings.top_p) != (0, 1.0):
         parts += ["--top-k", str(settings.top_k), "--top-p", f"{settings.top_p:g}"]
+    if settings.llama_server:
+        parts += ["--llama-server", settings.llama_server]
     parts.append("--no-profile")  # profile defaults, if any were used, are spelled out below
     for spec in settings.methods:
         if spec.draft is not None:
@@ -202,7 +215,11 @@ def run_bench_command(args: argparse.Namespace) -> int:
             s = row["overall"]
             speed = "–" if s["speedup"] is None else f"{s['speedup']:.2f}x"
             tau = "–" if s["tau"] is None else f"{s['tau']:.2f}"
-            print(f"T={temperature} {method}: {s['tokens_per_s']:.1f} tokens/s, speedup {speed}, tau {tau}")
+            equal = "" if s.get("greedy_equal") is None else f", greedy equal {s['greedy_equal']:.2f}"
+            server = results.get("llamacpp", {}).get(temperature, {}).get(method)
+            own = "" if not server or server["decode_tokens_per_s"] is None else \
+                f" (llama.cpp's own decode rate {server['decode_tokens_per_s']:.1f} tokens/s)"
+            print(f"T={temperature} {method}: {s['tokens_per_s']:.1f} tokens/s, speedup {speed}, tau {tau}{equal}{own}")
     return 0
 
 
