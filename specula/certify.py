@@ -24,11 +24,21 @@ Two parts, each against the target itself, never against a fixture:
    must reject; if it does not, the verdict is "inconclusive": with this many samples the check
    could not have failed.
 
-Defaults (300 samples per prompt, 2 prompts, 4 tokens) keep stories260k to about half a minute on
-two CPU cores. There the control's likelihood z is about 5 to 7.5 (p below 1e-5, against alpha 1e-3),
-and planted bugs (an off-by-one residual, a draft sampled at 1.5 T, a bonus token drawn from the
-draft) reach |z| > 5. Every count is an option: a target whose distribution is sharper needs more
-samples, and the control says so.
+Cost. The runs of one prompt share the target's forwards through a `ForwardMemo`: a forward whose
+exact history (every cache operation since the prefill) was seen before is answered from memory, so
+the runs are bit for bit those of plain decoding and the test is unchanged; only repeated work goes.
+Runs share the prefill always and their verify passes until their tokens part (a few hundred distinct
+histories per prompt instead of one forward per cycle per run); the control reuses the method's
+seeds, so it shares each run's history up to its acceptor's first different decision. The exact
+probabilities are computed once per distinct prefix, as token trees on one prefill
+(`specula.exact_distribution`). On stories260k with pld and the defaults, the T > 0 part's target
+forwards go from 4647 loop forwards plus 27 batched exact ones to 626 plus 12 (4021 answered from
+memory); the T = 0 part (878 forwards, vanilla one token at a time) is then the larger part.
+
+Defaults (300 samples per prompt, 2 prompts, 4 tokens). On stories260k the control's likelihood z is
+about 5 to 7.5 (p below 1e-5, against alpha 1e-3), and planted bugs (an off-by-one residual, a draft
+sampled at 1.5 T, a bonus token drawn from the draft) reach |z| > 5. Every count is an option: a
+target whose distribution is sharper needs more samples, and the control says so.
 """
 
 from __future__ import annotations
