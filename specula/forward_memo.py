@@ -14,7 +14,9 @@ the operations since the prefill. The key holds that whole history, not just the
 committed from a verify block and the same token from a one-token step round differently), so a hit
 returns bit for bit what the forward would compute, and the loop that consumes it (drafter, acceptor,
 sampler, their random generator) runs unchanged. Only the target's forward is skipped; drafters and
-acceptors, the code under test, always run.
+acceptors, the code under test, always run. This assumes every cache operation goes through the memo,
+i.e. no drafter runs the target's cache behind the loop's back (none does: EAGLE-style drafters only
+read the target's embedding and head weights; a draft model has its own `Target`).
 
 Only targets with a static KV cache (the Llama-family runtime) are memoized; any other target runs
 every forward. Memory is bounded by ``max_bytes``: past it, new forwards are computed and not kept.
