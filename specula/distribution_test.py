@@ -3,7 +3,8 @@
 Given a prompt and n sequences of L new tokens drawn by some sampler (the speculative loop), the
 null hypothesis is that every token was drawn from the target's warped distribution
 p(. | prompt, earlier tokens) (temperature, top-k, top-p as `specula.sampling` applies them).
-Two tests of it, both computed from the target's exact probabilities (no reference sampler):
+Two tests of it, both computed from the target's exact probabilities (no reference sampler; computed
+once per distinct prefix by `specula.exact_distribution`):
 
 1. Likelihood z-test. For token j of sample i let s_ij = log p(x_ij | prefix) − E_p[log p] (E and Var
    under the exact conditional given the *observed* prefix). Under the null each s_ij has mean 0 given
