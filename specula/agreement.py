@@ -4,14 +4,15 @@ and how often two models' argmax tokens agree over a text.
 Speculative decoding verifies k tokens in one forward, vanilla decoding one at a
 time; the two forwards round differently (another matmul shape, another
 accumulation order), so a greedy output may legitimately take the other branch
-where the target's two best tokens are within rounding of each other — and the
-KV cache itself holds different roundings depending on whether it was filled
-token by token or in blocks. Such a divergence is a *near-tie*: at the one-token
-step vanilla decoding takes there, the logit margin between the two tokens is at
-most the rounding unit of the least precise dtype the target computes in (at
-least `NEAR_TIE_RELATIVE`) times the largest logit's magnitude. For float32 that
-is 1e-4; for the bfloat16 kernels of int8/int4 weights 2^-8 (a bfloat16 carries
-8 significant bits). Anything wider is a bug.
+where the target's two best tokens are within rounding of each other. Whether a
+divergence is such a near-tie is decided in one place, `specula.divergence` (also
+used by `specula check` and `specula bench`): the target's logits are recomputed
+for the reference's prefix as vanilla decoding computes them, and the gap between
+the two tokens' logits is compared with a tolerance derived from the least precise
+dtype the target computes in, relative to the largest logit (1e-4 of it in float32,
+4 bfloat16 ulps for bfloat16 and the bfloat16 kernels of int8/int4 weights).
+Anything wider is a bug. This module gives that verdict the shape the weight-format
+tests print.
 """
 
 from __future__ import annotations
@@ -20,23 +21,20 @@ from dataclasses import dataclass
 
 import torch
 
-NEAR_TIE_RELATIVE = 1e-4  # float32 rounding moves logits by ~1e-6 relative; 100x that is still a tie
+from specula.divergence import NEAR_TIE, explain, first_difference
 
-
-def near_tie_relative(model: torch.nn.Module) -> float:
-    """The near-tie margin relative to the largest logit for ``model``: the unit roundoff of the least
-    precise dtype its parameters or its layers' kernels compute in, at least `NEAR_TIE_RELATIVE`."""
-    dtypes = {p.dtype for p in model.parameters()} | {getattr(m, "compute_dtype", None) for m in model.modules()}
-    return max([NEAR_TIE_RELATIVE] + [torch.finfo(d).eps / 2 for d in dtypes if d is not None and d.is_floating_point])
+__all__ = ["Agreement", "Divergence", "argmax_agreement", "find_divergence", "first_difference"]
 
 
 @dataclass(frozen=True)
 class Divergence:
-    """The first position where a decoding left the reference one, seen from the reference's one-token step.
+    """The first position where a decoding left the reference one, judged by `specula.divergence`.
 
-    position: index among the generated tokens; expected / got: the two tokens there (got = -1: ended early).
-    margin:   logit(expected) - logit(got) at the one-token step; top2_margin: best minus second-best logit.
-    scale:    the largest logit magnitude at that step; relative: the near-tie margin relative to it.
+    position:  index among the generated tokens; expected / got: the two tokens there (got = -1: ended early).
+    margin:    logit(expected) - logit(got) at vanilla's step there (inf when one side ended);
+    top2_margin: best minus second-best logit there.
+    tolerance: the near-tie threshold on ``|margin|`` for the target's dtype and logit scale;
+    kind:      ``near-tie`` or ``real`` (`specula.divergence.classify`).
     """
 
     position: int
@@ -44,53 +42,29 @@ class Divergence:
     got: int
     margin: float
     top2_margin: float
-    scale: float
-    relative: float = NEAR_TIE_RELATIVE
+    tolerance: float
+    kind: str
 
     @property
     def near_tie(self) -> bool:
-        return self.got >= 0 and abs(self.margin) <= self.relative * max(1.0, self.scale)
+        return self.kind == NEAR_TIE
 
     def describe(self) -> str:
         kind = "a floating-point near-tie" if self.near_tie else "NOT a near-tie"
         return (f"first divergence at generated token {self.position}: expected {self.expected}, got {self.got}; "
-                f"logit margin {self.margin:.3g} (top-2 margin {self.top2_margin:.3g}, largest |logit| "
-                f"{self.scale:.3g}, near-tie below {self.relative * max(1.0, self.scale):.3g}): {kind}")
-
-
-def first_difference(expected: list[int], got: list[int]) -> int | None:
-    """Index of the first differing token (or of the end of the shorter list), None if equal."""
-    for i, (a, b) in enumerate(zip(expected, got, strict=False)):
-        if a != b:
-            return i
-    return None if len(expected) == len(got) else min(len(expected), len(got))
-
-
-@torch.no_grad()
-def one_token_logits(target, context: torch.Tensor) -> torch.Tensor:
-    """float32 [V]: the logits of the token after ``context`` [P] as vanilla decoding computes them, one token
-    forwarded after the committed rest. Leaves ``target`` holding ``context`` committed but for its last token."""
-    target.prefill(context[:-1])
-    return target.forward(context[-1:]).logits[-1].float()
+                f"logit margin {self.margin:.3g} (top-2 margin {self.top2_margin:.3g}, near-tie below "
+                f"{self.tolerance:.3g}): {kind}")
 
 
 def find_divergence(target, prompt_ids: torch.Tensor, expected: list[int], got: list[int]) -> Divergence | None:
     """None if ``got`` equals ``expected`` (the reference's new tokens after ``prompt_ids`` [P]), else the first
-    `Divergence`, measured on ``target``'s one-token step there."""
-    i = first_difference(expected, got)
-    if i is None:
+    `Divergence`, classified by `specula.divergence.explain` on ``target`` (a `Target`; its cache is reset)."""
+    found = explain(target, prompt_ids, expected, got)
+    if found is None:
         return None
-    context = torch.cat([prompt_ids.cpu(), torch.tensor(expected[:i], dtype=prompt_ids.dtype)])
-    logits = one_token_logits(target, context)
-    top = torch.topk(logits, 2).values
-    expected_token = expected[i] if i < len(expected) else -1
-    got_token = got[i] if i < len(got) else -1
-    if expected_token < 0 or got_token < 0:
-        margin = float("inf")
-    else:
-        margin = float(logits[expected_token] - logits[got_token])
-    return Divergence(i, expected_token, got_token, margin, float(top[0] - top[1]), float(logits.abs().max()),
-                      near_tie_relative(target.model))
+    expected_token = -1 if found.vanilla_token is None else found.vanilla_token
+    got_token = -1 if found.method_token is None else found.method_token
+    return Divergence(found.position, expected_token, got_token, found.gap, found.margin, found.tolerance, found.kind)
 
 
 @dataclass

@@ -24,11 +24,21 @@ Two parts, each against the target itself, never against a fixture:
    must reject; if it does not, the verdict is "inconclusive": with this many samples the check
    could not have failed.
 
-Defaults (300 samples per prompt, 2 prompts, 4 tokens) keep stories260k to about half a minute on
-two CPU cores. There the control's likelihood z is about 5 to 7.5 (p below 1e-5, against alpha 1e-3),
-and planted bugs (an off-by-one residual, a draft sampled at 1.5 T, a bonus token drawn from the
-draft) reach |z| > 5. Every count is an option: a target whose distribution is sharper needs more
-samples, and the control says so.
+Cost. The runs of one prompt share the target's forwards through a `ForwardMemo`: a forward whose
+exact history (every cache operation since the prefill) was seen before is answered from memory, so
+the runs are bit for bit those of plain decoding and the test is unchanged; only repeated work goes.
+Runs share the prefill always and their verify passes until their tokens part (a few hundred distinct
+histories per prompt instead of one forward per cycle per run); the control reuses the method's
+seeds, so it shares each run's history up to its acceptor's first different decision. The exact
+probabilities are computed once per distinct prefix, as token trees on one prefill
+(`specula.exact_distribution`). On stories260k with pld and the defaults, the T > 0 part's target
+forwards go from 4647 loop forwards plus 27 batched exact ones to 626 plus 12 (4021 answered from
+memory); the T = 0 part (878 forwards, vanilla one token at a time) is then the larger part.
+
+Defaults (300 samples per prompt, 2 prompts, 4 tokens). On stories260k the control's likelihood z is
+about 5 to 7.5 (p below 1e-5, against alpha 1e-3), and planted bugs (an off-by-one residual, a draft
+sampled at 1.5 T, a bonus token drawn from the draft) reach |z| > 5. Every count is an option: a
+target whose distribution is sharper needs more samples, and the control says so.
 """
 
 from __future__ import annotations
@@ -48,6 +58,8 @@ from specula.distribution_test import MIN_EXPECTED, fit, likely_sequences, token
 from specula.divergence import compute_dtype, explain, first_difference, relative_tolerance
 from specula.drafters.vanilla import VanillaDrafter
 from specula.errors import SpeculaError
+from specula.exact_distribution import ExactDistribution
+from specula.forward_memo import ForwardMemo
 from specula.jsonl import json_lines
 from specula.methods import DEFAULT_TARGET, build_speculator
 from specula.sampling import SamplingParams
@@ -144,12 +156,15 @@ def check_greedy(speculator, vanilla, prompts: list[torch.Tensor], max_new_token
     return result
 
 
-def _sample(speculator, acceptor, ids: torch.Tensor, params: SamplingParams, tokens: int,
+def _sample(target, speculator, acceptor, ids: torch.Tensor, params: SamplingParams, tokens: int,
             seeds: range) -> tuple[list[tuple[int, ...]], int, int]:
-    """(the first ``tokens`` new tokens of one loop run per seed, draft tokens proposed, draft tokens accepted)."""
+    """(the first ``tokens`` new tokens of one loop run per seed, draft tokens proposed, draft tokens accepted).
+
+    ``target`` is the speculator's target or a `ForwardMemo` of it: the runs are the same either way.
+    """
     sequences, drafted, accepted = [], 0, 0
     for seed in seeds:
-        new, stats = generate_tokens(speculator.target, speculator.drafter, ids, tokens, params, seed=seed,
+        new, stats = generate_tokens(target, speculator.drafter, ids, tokens, params, seed=seed,
                                      stop_on_eos=False, acceptor=acceptor)
         sequences.append(tuple(new))
         drafted += sum(stats.tree_sizes)
@@ -159,20 +174,31 @@ def _sample(speculator, acceptor, ids: torch.Tensor, params: SamplingParams, tok
 
 def check_sampling(speculator, prompts: list[torch.Tensor], params: SamplingParams, samples: int, tokens: int,
                    seed: int, alpha: float) -> SamplingResult:
-    """Part 2: the distribution test of the method's loop and of the planted-error control."""
+    """Part 2: the distribution test of the method's loop and of the planted-error control.
+
+    Cost: every run goes through one `ForwardMemo` per prompt, so runs that share their history (the
+    prompt's prefill always; then each verify pass until their sampled tokens part, and the control,
+    which reuses the method's seeds, until its acceptor first decides otherwise) share the target's
+    forwards; the runs themselves are bit for bit those of plain decoding (see `specula.forward_memo`).
+    The exact probabilities are computed once per distinct prefix, as token trees
+    (`specula.exact_distribution`).
+    """
     control = ShiftedTemperatureAcceptor(speculator.acceptor)
-    model = speculator.target.model
     drafted = accepted = 0
     method_data, control_data = [], []
     for k, ids in enumerate(prompts):
         seeds = range(seed + k * samples, seed + (k + 1) * samples)  # the control reuses the method's seeds
-        drawn, proposed, kept = _sample(speculator, speculator.acceptor, ids, params, tokens, seeds)
-        planted, _, _ = _sample(speculator, control, ids, params, tokens, seeds)
+        memo = ForwardMemo(speculator.target)
+        drawn, proposed, kept = _sample(memo, speculator, speculator.acceptor, ids, params, tokens, seeds)
+        planted, _, _ = _sample(memo, speculator, control, ids, params, tokens, seeds)
+        del memo  # its remembered outputs and cache entries
         drafted, accepted = drafted + proposed, accepted + kept
-        exact = token_statistics(model, ids, drawn + planted, params)
-        cells = likely_sequences(model, ids, params, tokens, MIN_EXPECTED / samples)
-        method_data.append((drawn, exact, cells))
-        control_data.append((planted, exact, cells))
+        exact = ExactDistribution(speculator.target, ids, params)
+        cells = likely_sequences(exact, tokens, MIN_EXPECTED / samples)
+        statistics = token_statistics(exact, drawn + planted)
+        speculator.target.reset()
+        method_data.append((drawn, statistics, cells))
+        control_data.append((planted, statistics, cells))
     description = f"the method's acceptor judging against the target at {CONTROL_FACTOR:g} x T"
     return SamplingResult(params.temperature, params.top_p, params.top_k, alpha, len(prompts), samples, tokens,
                           drafted, accepted, fit(method_data), fit(control_data), description)

@@ -3,7 +3,8 @@
 Given a prompt and n sequences of L new tokens drawn by some sampler (the speculative loop), the
 null hypothesis is that every token was drawn from the target's warped distribution
 p(. | prompt, earlier tokens) (temperature, top-k, top-p as `specula.sampling` applies them).
-Two tests of it, both computed from the target's exact probabilities (no reference sampler):
+Two tests of it, both computed from the target's exact probabilities (no reference sampler; computed
+once per distinct prefix by `specula.exact_distribution`):
 
 1. Likelihood z-test. For token j of sample i let s_ij = log p(x_ij | prefix) − E_p[log p] (E and Var
    under the exact conditional given the *observed* prefix). Under the null each s_ij has mean 0 given
@@ -33,10 +34,9 @@ from dataclasses import dataclass
 
 import torch
 
-from specula.sampling import SamplingParams, probabilities
+from specula.exact_distribution import ExactDistribution
 
 MIN_EXPECTED = 5.0
-BATCH = 32  # sequences per forward of the exact computations
 
 
 def chi2_sf(statistic: float, df: int) -> float:
@@ -51,16 +51,6 @@ def normal_two_sided(z: float) -> float:
     return math.erfc(abs(z) / math.sqrt(2.0))
 
 
-@torch.inference_mode()
-def _last_logits(model, batch: torch.Tensor, keep: int) -> torch.Tensor:
-    """float32 logits [B, keep, V] of the last ``keep`` positions of ``batch`` [B, T]."""
-    try:
-        logits = model(input_ids=batch, logits_to_keep=keep).logits
-    except TypeError:  # a model class without logits_to_keep computes every position
-        logits = model(input_ids=batch).logits
-    return logits[:, -keep:].float()
-
-
 @dataclass
 class TokenStatistics:
     """Per observed sequence, per position j (arrays [L], float64): log p(x_j | prefix), E_p[log p], Var_p[log p]."""
@@ -70,51 +60,51 @@ class TokenStatistics:
     variance: dict[tuple[int, ...], torch.Tensor]
 
 
-def token_statistics(model, prompt: torch.Tensor, sequences: list[tuple[int, ...]],
-                     params: SamplingParams) -> TokenStatistics:
-    """Exact conditional statistics of every distinct sequence (all of one length L) after ``prompt`` [P]."""
+def _moments(probs: torch.Tensor) -> tuple[float, float]:
+    """(E_p[log p], Var_p[log p]) of one distribution ``probs`` [V], in float64."""
+    probs = probs.double()
+    logs = torch.log(probs)
+    plogp = torch.where(probs > 0, probs * logs, torch.zeros_like(probs))
+    mean = float(plogp.sum())
+    second = float(torch.where(probs > 0, plogp * logs, torch.zeros_like(probs)).sum())
+    return mean, max(second - mean * mean, 0.0)
+
+
+def token_statistics(exact: ExactDistribution, sequences: list[tuple[int, ...]]) -> TokenStatistics:
+    """Exact conditional statistics of every distinct sequence in ``sequences`` (all of one length L).
+
+    Each distinct prefix's distribution and moments are computed once (`ExactDistribution`).
+    """
     distinct = sorted(set(sequences))
+    exact.compute(seq[:j] for seq in distinct for j in range(len(seq)))
+    moments: dict[tuple[int, ...], tuple[float, float]] = {}
     out = TokenStatistics({}, {}, {})
-    device = next(model.parameters()).device
-    for start in range(0, len(distinct), BATCH):
-        chunk = distinct[start:start + BATCH]
-        seqs = torch.tensor(chunk, dtype=torch.long, device=device)  # [B, L]
-        length = seqs.shape[1]
-        batch = torch.cat([prompt.to(device).expand(len(chunk), -1), seqs[:, :-1]], dim=1)
-        probs = probabilities(_last_logits(model, batch, length), params).double()  # [B, L, V]
-        logs = torch.log(probs)
-        plogp = torch.where(probs > 0, probs * logs, torch.zeros_like(probs))
-        mean = plogp.sum(-1)
-        second = torch.where(probs > 0, probs * logs * logs, torch.zeros_like(probs)).sum(-1)
-        observed = logs.gather(-1, seqs[..., None])[..., 0]
-        for row, key in enumerate(chunk):
-            out.log_prob[key] = observed[row].cpu()
-            out.mean[key] = mean[row].cpu()
-            out.variance[key] = (second[row] - mean[row] ** 2).clamp(min=0.0).cpu()
+    for key in distinct:
+        prefixes = [key[:j] for j in range(len(key))]
+        for prefix in prefixes:
+            if prefix not in moments:
+                moments[prefix] = _moments(exact[prefix])
+        out.log_prob[key] = torch.tensor([float(exact[p][x]) for p, x in zip(prefixes, key, strict=True)],
+                                         dtype=torch.float64).log()
+        out.mean[key] = torch.tensor([moments[p][0] for p in prefixes], dtype=torch.float64)
+        out.variance[key] = torch.tensor([moments[p][1] for p in prefixes], dtype=torch.float64)
     return out
 
 
-def likely_sequences(model, prompt: torch.Tensor, params: SamplingParams, length: int,
-                     threshold: float) -> dict[tuple[int, ...], float]:
+def likely_sequences(exact: ExactDistribution, length: int, threshold: float) -> dict[tuple[int, ...], float]:
     """Every sequence of ``length`` new tokens with exact probability >= ``threshold``, with that probability.
 
     Level by level, only prefixes at or above the threshold are extended (a sequence is no likelier than
     its prefix), so each level holds at most 1 / threshold prefixes.
     """
-    device = next(model.parameters()).device
     prefixes: dict[tuple[int, ...], float] = {(): 1.0}
     for _ in range(length):
-        keys = list(prefixes)
+        exact.compute(prefixes)
         grown: dict[tuple[int, ...], float] = {}
-        for start in range(0, len(keys), BATCH):
-            chunk = keys[start:start + BATCH]
-            tails = torch.tensor(chunk, dtype=torch.long, device=device).reshape(len(chunk), -1)
-            batch = torch.cat([prompt.to(device).expand(len(chunk), -1), tails], dim=1)
-            probs = probabilities(_last_logits(model, batch, 1)[:, 0], params).double()
-            for row, key in enumerate(chunk):
-                joint = probs[row] * prefixes[key]
-                for token in torch.nonzero(joint >= threshold).flatten().tolist():
-                    grown[key + (token,)] = float(joint[token])
+        for key, prob in prefixes.items():
+            joint = exact[key].double() * prob
+            for token in torch.nonzero(joint >= threshold).flatten().tolist():
+                grown[key + (token,)] = float(joint[token])
         prefixes = grown
         if not prefixes:
             break
