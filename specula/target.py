@@ -230,6 +230,10 @@ class Target:
     def reset(self) -> None:
         self.runtime.truncate(0)
 
+    def reserve(self, tokens: int) -> None:
+        """Allocate the KV cache for ``tokens`` entries now (capped at `max_length`); it also grows on demand."""
+        self.runtime.reserve(min(tokens, self.max_length))
+
     def truncate(self, length: int) -> None:
         """Forget committed tokens beyond ``length``."""
         self.runtime.truncate(min(length, self.runtime.length))
@@ -286,6 +290,9 @@ class _LlamaFamilyRuntime:
     def truncate(self, length: int) -> None:
         self.cache.truncate(length)
 
+    def reserve(self, tokens: int) -> None:
+        self.cache.reserve(tokens)
+
     def commit(self, keep: list[int] | None) -> None:
         self.cache.commit(keep)
 
@@ -326,6 +333,9 @@ class _GenericRuntime:
             self._crop(length)
         self.length = length
         self.block = 0
+
+    def reserve(self, tokens: int) -> None:
+        """A `DynamicCache` grows by itself."""
 
     def commit(self, keep: list[int] | None) -> None:
         start = self.length
