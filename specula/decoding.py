@@ -23,6 +23,8 @@ from specula.sampling import SamplingParams, make_generator, pick_token
 from specula.target import Target
 from specula.tree import DraftTree
 
+DRAFT_MARGIN = 64  # KV slots reserved beyond prompt + new tokens for the last cycle's draft tree
+
 
 @dataclass
 class GenerationStats:
@@ -91,6 +93,8 @@ def stream_tokens(target: Target, drafter: Drafter, prompt: torch.Tensor, max_ne
     stats.prompt_tokens = int(prompt.numel())
     started = time.perf_counter()
 
+    # The KV cache for this generation in one allocation (it grows on demand past it, e.g. for a wide tree).
+    target.reserve(prompt.numel() + max_new_tokens + DRAFT_MARGIN)
     out = target.prefill(prompt, drafter.features)
     first = pick_token(out.logits[-1], params, generator)
     drafter.start(prompt, out)

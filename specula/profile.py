@@ -102,8 +102,10 @@ def save_profile(profile: dict, path: str | Path) -> Path:
             old = json.loads(file.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError):
             old = None
+        # Measurements in another weight format are of another model: not merged (older profiles were float32).
         same_machine = isinstance(old, dict) and all(
-            old.get(k) == profile.get(k) for k in ("target", "device", "dtype", "threads"))
+            old.get(k) == profile.get(k) for k in ("target", "device", "dtype", "threads")) and (
+            old.get("weights", "float32") == profile.get("weights", "float32"))
         if same_machine and isinstance(old.get("methods"), dict):
             merged["methods"] = {**old["methods"], **profile.get("methods", {})}
     merged.pop("path", None)

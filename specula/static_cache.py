@@ -4,6 +4,12 @@ The cache holds a committed prefix in slots [0, length). A forward writes a
 block of n new entries to [length, length + n); `commit` then keeps the chosen
 block entries (moving them next to the prefix, cost proportional to the kept
 count) and `truncate` forgets committed entries.
+
+Memory is allocated as it is needed, not for the whole ``capacity`` up front: SmolLM2's
+8,192-token context is 360 MiB of float32 keys and values, more than its int4 weights, while a
+chat answer needs a few hundred slots. `StaticKVCache.reserve` (called with what a generation
+will need) and `write` (when a block goes past the allocation) grow it in steps of `SLOT_STEP`,
+at least doubling, by copying into a larger buffer: the shapes stay static between growths.
 """
 
 from __future__ import annotations
@@ -13,22 +19,45 @@ import sys
 import torch
 import torch.nn.functional as F
 
+SLOT_STEP = 256  # allocations are whole multiples of this many slots (up to the capacity)
+
 
 class StaticKVCache:
-    """Keys and values of every layer: ``n_layers`` × [1, n_kv_heads, capacity, head_dim]."""
+    """Keys and values of every layer: ``n_layers`` × [1, n_kv_heads, allocated, head_dim], allocated <= capacity."""
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype,
                  device: torch.device | str):
-        shape = (1, n_kv_heads, capacity, head_dim)
+        shape = (1, n_kv_heads, 0, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.capacity = capacity
+        self.capacity = capacity  # the most slots it may ever hold
         self.length = 0  # committed entries
         self.block = 0  # provisional entries written by the last forward
+        self.reserve(SLOT_STEP)
+
+    @property
+    def allocated(self) -> int:
+        """Slots allocated now (grown on demand up to ``capacity``)."""
+        return self.keys[0].shape[2] if self.keys else self.capacity
+
+    def reserve(self, slots: int) -> None:
+        """Make room for ``slots`` entries (clipped to the capacity): grow to a multiple of `SLOT_STEP`, at least
+        double the current allocation; keeps every entry written so far. Never shrinks."""
+        slots = min(slots, self.capacity)
+        if slots <= self.allocated:
+            return
+        size = min(self.capacity, -(-max(slots, 2 * self.allocated) // SLOT_STEP) * SLOT_STEP)
+        for buffers in (self.keys, self.values):
+            for i, old in enumerate(buffers):
+                new = old.new_zeros((*old.shape[:2], size, old.shape[3]))
+                new[:, :, :old.shape[2]] = old
+                buffers[i] = new
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store a block's keys/values [1, n_kv, n, d] after the prefix; returns views of everything so far."""
         end = self.length + keys.shape[2]
+        if end > self.allocated:
+            self.reserve(end)
         self.keys[layer][:, :, self.length:end] = keys
         self.values[layer][:, :, self.length:end] = values
         self.block = keys.shape[2]

@@ -30,6 +30,7 @@ from specula.errors import SpeculaError
 from specula.model_source import gguf_source, model_name, resolve_model
 from specula.readers import check_fields, check_safetensors, expect_object, open_safetensors
 from specula.static_cache import StaticKVCache, block_attention_mask, decoder_layer_step, rotary_function
+from specula.streamed_load import load_converted
 from specula.weights import quantize_linear_weights, resolve_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -114,12 +115,25 @@ def check_model_dir(path: str | Path, role: str = "model") -> Path:
 def load_causal_lm(path: str | Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
                    role: str = "model"):
     """Load (model, tokenizer) from a local directory; never touches the network."""
+    model, tokenizer, _ = load_converted_lm(path, dtype, device, role)
+    return model, tokenizer
+
+
+def load_converted_lm(path: str | Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
+                      role: str = "model", weights: str = "float32", gguf_file: str | Path | None = None):
+    """Load (model, tokenizer, WeightsReport) with the decoder layers' linears in ``weights`` (`specula.weights`).
+
+    On a CPU, a Llama-family safetensors checkpoint is converted layer by layer as it is read
+    (`specula.streamed_load`: peak memory near the converted model's, not the float model's); otherwise
+    the float model is loaded whole and converted after. Never touches the network.
+    """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers import logging as hf_logging
 
+    weights = resolve_weights(weights)
     model_dir = check_model_dir(path, role)
-    for weights in sorted(model_dir.glob("*.safetensors")):  # a truncated file is named, not a library traceback
-        check_safetensors(weights, f"{role} weights file")
+    for file in sorted(model_dir.glob("*.safetensors")):  # a truncated file is named, not a library traceback
+        check_safetensors(file, f"{role} weights file")
     torch_dtype = resolve_dtype(dtype, model_dir)
     try:
         config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
@@ -137,13 +151,19 @@ def load_causal_lm(path: str | Path, dtype: str | torch.dtype = "auto", device: 
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()  # a per-tensor bar for a local load is noise
+    converted = None
     try:
-        # Mismatched shapes are loaded as reinitialised and reported, so that they are refused below by name.
-        model, loading = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=torch_dtype, local_files_only=True, attn_implementation="sdpa",
-            output_loading_info=True, ignore_mismatched_sizes=True,
-        )
-        check_loading(loading, role, path)
+        if weights != "float32" and config.model_type in LLAMA_FAMILY and torch.device(device).type == "cpu":
+            converted = load_converted(model_dir, config, torch_dtype, weights, gguf_file)
+        if converted is None:
+            # Mismatched shapes are loaded as reinitialised and reported, so that they are refused below by name.
+            model, loading = AutoModelForCausalLM.from_pretrained(
+                model_dir, dtype=torch_dtype, local_files_only=True, attn_implementation="sdpa",
+                output_loading_info=True, ignore_mismatched_sizes=True,
+            )
+            check_loading(loading, role, path)
+        else:
+            model, report = converted
         tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     except SpeculaError:
         raise
@@ -159,7 +179,9 @@ def load_causal_lm(path: str | Path, dtype: str | torch.dtype = "auto", device: 
     except (RuntimeError, AssertionError) as err:
         raise SpeculaError(f"device '{device}' is not usable: {str(err).splitlines()[0]}") from err
     model.requires_grad_(False)
-    return model, tokenizer
+    if converted is None:
+        report = quantize_linear_weights(model, weights, gguf_file=gguf_file)
+    return model, tokenizer, report
 
 
 def check_loading(loading: dict, role: str, path: str | Path) -> None:
@@ -214,9 +236,8 @@ class Target:
         file's own blocks rather than requantizing their dequantized values.
         """
         weights = resolve_weights(weights)  # an unknown format fails before the model loads
-        model, tokenizer = load_causal_lm(path, dtype, device, role)
         source = gguf_source(path) if gguf_blocks and weights == "int4" else None
-        report = quantize_linear_weights(model, weights, gguf_file=source)
+        model, tokenizer, report = load_converted_lm(path, dtype, device, role, weights, source)
         loaded = cls(model, tokenizer, max_length, name=model_name(path))
         loaded.path = Path(path)  # where it came from: bundled heads are found by it
         loaded.weights, loaded.weights_report = weights, report
@@ -229,6 +250,10 @@ class Target:
 
     def reset(self) -> None:
         self.runtime.truncate(0)
+
+    def reserve(self, tokens: int) -> None:
+        """Allocate the KV cache for ``tokens`` entries now (capped at `max_length`); it also grows on demand."""
+        self.runtime.reserve(min(tokens, self.max_length))
 
     def truncate(self, length: int) -> None:
         """Forget committed tokens beyond ``length``."""
@@ -286,6 +311,9 @@ class _LlamaFamilyRuntime:
     def truncate(self, length: int) -> None:
         self.cache.truncate(length)
 
+    def reserve(self, tokens: int) -> None:
+        self.cache.reserve(tokens)
+
     def commit(self, keep: list[int] | None) -> None:
         self.cache.commit(keep)
 
@@ -326,6 +354,9 @@ class _GenericRuntime:
             self._crop(length)
         self.length = length
         self.block = 0
+
+    def reserve(self, tokens: int) -> None:
+        """A `DynamicCache` grows by itself."""
 
     def commit(self, keep: list[int] | None) -> None:
         start = self.length

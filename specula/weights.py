@@ -110,6 +110,47 @@ def _convert(linear: nn.Module, fmt: str, compute_dtype: torch.dtype, groups) ->
     raise SpeculaError(f"unknown weights format {fmt!r}")
 
 
+def linear_names(n_layers: int, lm_head: bool = False) -> list[str]:
+    """The modules a format replaces in a Llama-family model of ``n_layers`` decoder layers."""
+    names = [f"model.layers.{i}.{name}" for i in range(n_layers) for name in LAYER_LINEARS]
+    return names + ["lm_head"] if lm_head else names
+
+
+class LinearConverter:
+    """Converts linear layers into one format one at a time, recording what it did in ``report``.
+
+    Made once per model (it checks the kernel and reads a GGUF file's blocks once); `convert` then takes
+    each layer, so a loader can quantize a layer as soon as it has read it (`specula.streamed_load`).
+    """
+
+    def __init__(self, fmt: str, config, device: torch.device | str = "cpu", gguf_file: str | Path | None = None,
+                 compute_dtype: torch.dtype = KERNEL_DTYPE):
+        self.fmt = resolve_weights(fmt)
+        self.config = config
+        self.compute_dtype = compute_dtype
+        self.report = WeightsReport(self.fmt)
+        if self.fmt != "float32":
+            check_available(self.fmt, device, compute_dtype)
+        self.blocks = {}
+        if self.fmt == "int4" and gguf_file is not None:
+            from specula.gguf_blocks import read_linear_blocks
+
+            self.blocks = read_linear_blocks(gguf_file, bool(getattr(config, "tie_word_embeddings", False)))
+
+    def convert(self, name: str, linear: nn.Linear) -> nn.Module:
+        """The module replacing ``linear`` (the module called ``name`` in the model) in this format."""
+        groups = _carried(name, linear, self.blocks[name], self.config) if name in self.blocks else None
+        if groups is not None:
+            self.report.carried[name] = self.blocks[name][0]
+        elif self.fmt in ("int8", "int4"):
+            self.report.requantized.append(name)
+        replacement = _convert(linear, self.fmt, self.compute_dtype, groups)
+        self.report.bytes_before += _tensor_bytes(linear)
+        self.report.bytes_after += _tensor_bytes(replacement)
+        self.report.converted.append(name)
+        return replacement
+
+
 def quantize_linear_weights(model: nn.Module, fmt: str, lm_head: bool = False,
                             gguf_file: str | Path | None = None,
                             compute_dtype: torch.dtype = KERNEL_DTYPE) -> WeightsReport:
@@ -123,44 +164,24 @@ def quantize_linear_weights(model: nn.Module, fmt: str, lm_head: bool = False,
                one, float32 keeps activations exact (for checks: ~10x slower on an AVX2 CPU).
     """
     fmt = resolve_weights(fmt)
-    report = WeightsReport(fmt)
     if fmt == "float32":
-        return report
+        return WeightsReport(fmt)
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None:
         raise SpeculaError(f"--weights {fmt} needs a Llama-family model (decoder layers at model.layers); "
                            f"{type(model).__name__} has none")
-    param = next(model.parameters())
-    device = param.device
-    check_available(fmt, device, compute_dtype)
-    names = [f"model.layers.{i}.{name}" for i in range(len(layers)) for name in LAYER_LINEARS]
-    if lm_head:
-        names.append("lm_head")
-    blocks = {}
-    if fmt == "int4" and gguf_file is not None:
-        from specula.gguf_blocks import read_linear_blocks
-
-        tied = bool(getattr(model.config, "tie_word_embeddings", False))
-        blocks = read_linear_blocks(gguf_file, tied)
-    for name in names:
+    converter = LinearConverter(fmt, model.config, next(model.parameters()).device, gguf_file, compute_dtype)
+    for name in linear_names(len(layers), lm_head):
         linear = model.get_submodule(name)
         if not isinstance(linear, nn.Linear):
             continue  # already converted, or a layer kind this does not know
-        groups = _carried(name, linear, blocks[name], model.config) if name in blocks else None
-        if groups is not None:
-            report.carried[name] = blocks[name][0]
-        elif fmt in ("int8", "int4"):
-            report.requantized.append(name)
-        replacement = _convert(linear, fmt, compute_dtype, groups)
-        report.bytes_before += _tensor_bytes(linear)
-        report.bytes_after += _tensor_bytes(replacement)
+        replacement = converter.convert(name, linear)
         parent, _, attribute = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attribute, replacement)
-        report.converted.append(name)
-    if report.converted:
+    if converter.report.converted:
         del linear, replacement  # the last replaced layer would keep the file mapping alive
         _release_loaded_memory(model)
-    return report
+    return converter.report
 
 
 def _release_loaded_memory(model: nn.Module) -> None:
@@ -188,6 +209,11 @@ def _release_loaded_memory(model: nn.Module) -> None:
                 param.data = copies[key]
     copies.clear()
     gc.collect()
+    trim_heap()
+
+
+def trim_heap() -> None:
+    """Hand freed heap memory back to the operating system (glibc keeps it, fragmented, otherwise)."""
     try:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: nothing to trim, or no way to ask

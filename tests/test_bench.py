@@ -456,6 +456,41 @@ def test_bench_bad_input_is_a_specula_error(tmp_path, story_questions):
         run_command(*bench_args(story_questions, tmp_path, "--temperature", "-1"))
 
 
+def test_bench_runs_every_row_on_the_same_weights_and_records_the_format(tmp_path, story_questions):
+    out = tmp_path / "out"
+    args = ["bench", "--target", STORIES, "--methods", "vanilla,pld,hf", "--data", story_questions, "--limit", 1,
+            "--max-new-tokens", 8, "--threads", 1, "--dtype", "float32", "--weights", "int8", "--out", out,
+            "--no-progress", "--no-profile"]
+    assert run_command(*args) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["settings"]["weights"] == "int8" and "--weights int8" in results["command"]
+    assert "weights int8" in (out / "results.md").read_text()
+    # The transformers baseline runs the same quantized model: at T=0 it decodes what vanilla decodes.
+    by_method = {r["method"]: r for r in results["records"]}
+    assert by_method["hf"]["turns"][0]["token_ids"] == by_method["vanilla"]["turns"][0]["token_ids"]
+    assert by_method["pld"]["divergence"] is None and by_method["hf"]["divergence"] is None
+    with pytest.raises(SpeculaError, match="weights='int8', this run has weights='float32'"):
+        run_command(*args[:-6], "--weights", "float32", *args[-4:])
+
+
+def test_bench_weights_from_a_config_file_are_checked(tmp_path, story_questions):
+    config = tmp_path / "bench.toml"
+    config.write_text('[bench]\nweights = "int3"\n')
+    with pytest.raises(SpeculaError, match="unknown weights format 'int3'"):
+        run_command(*bench_args(story_questions, tmp_path / "out", "--config", config))
+
+
+def test_calibrate_records_the_weight_format_and_keeps_formats_apart(tmp_path, story_questions):
+    out = tmp_path / "profile.json"
+    common = ["calibrate", "--target", STORIES, "--data", story_questions, "--prompts", 1, "--max-new-tokens", 8,
+              "--repeats", 1, "--threads", 1, "--out", out]
+    assert run_command(*common, "--method", "pld", "--weights", "int8") == 0
+    assert load_profile("stories260k", out)["weights"] == "int8"
+    assert run_command(*common, "--method", "sps", "--draft", LLAMA2XS, "--weights", "float32") == 0
+    profile = load_profile("stories260k", out)
+    assert profile["weights"] == "float32" and set(profile["methods"]) == {"sps"}  # int8's pld not merged in
+
+
 def test_calibrate_on_stories260k(tmp_path, story_questions, capsys):
     out = tmp_path / "profile.json"
     code = run_command("calibrate", "--target", STORIES, "--method", "sps", "--draft", LLAMA2XS,

@@ -107,3 +107,46 @@ def test_features_are_final_hidden_and_layer_inputs():
     torch.testing.assert_close(out.layer_inputs[2], reference.hidden_states[2][0], atol=TREE_ATOL, rtol=0)
     torch.testing.assert_close(out.logits, model.lm_head(out.hidden), atol=TREE_ATOL, rtol=0)
     torch.testing.assert_close(out.logits, reference.logits[0], atol=TREE_ATOL, rtol=0)
+
+
+def test_kv_cache_is_allocated_as_needed_and_keeps_its_entries_when_it_grows():
+    from specula.static_cache import SLOT_STEP, StaticKVCache
+
+    cache = StaticKVCache(2, 1, 4, capacity=5 * SLOT_STEP, dtype=torch.float32, device="cpu")
+    assert cache.allocated == SLOT_STEP  # not the whole capacity up front
+    block = torch.arange(1 * 1 * (SLOT_STEP + 3) * 4, dtype=torch.float32).reshape(1, 1, SLOT_STEP + 3, 4)
+    for layer in range(2):
+        keys, values = cache.write(layer, block, -block)
+        assert torch.equal(keys, block) and torch.equal(values, -block)
+    cache.commit()
+    assert cache.allocated == 2 * SLOT_STEP
+    cache.reserve(3 * SLOT_STEP + 1)  # at least doubled, in whole steps
+    assert cache.allocated == 4 * SLOT_STEP
+    cache.reserve(4 * SLOT_STEP + 1)  # capped at the capacity
+    assert cache.allocated == 5 * SLOT_STEP
+    assert torch.equal(cache.keys[1][:, :, :SLOT_STEP + 3], block)
+    cache.reserve(10)  # never shrinks
+    assert cache.allocated == 5 * SLOT_STEP
+
+
+def test_decoding_past_the_first_kv_allocation_gives_the_logits_of_a_cache_allocated_up_front():
+    from specula.static_cache import SLOT_STEP
+
+    model = tiny_model("llama", seed=4, max_position_embeddings=4 * SLOT_STEP)
+    prompt = torch.randint(0, 97, (SLOT_STEP - 10,), generator=torch.Generator().manual_seed(8))
+    runs = []
+    for reserved in (0, 4 * SLOT_STEP):
+        target = Target(model)
+        target.reserve(reserved)
+        logits = [target.prefill(prompt).logits[-1]]
+        tokens = [int(logits[-1].argmax())]
+        for _ in range(29):
+            logits.append(target.forward(torch.tensor(tokens[-1:])).logits[-1])
+            target.commit()
+            tokens.append(int(logits[-1].argmax()))
+        runs.append((torch.stack(logits), tokens, target.runtime.cache.allocated))
+    (grown, tokens, allocated), (up_front, _, _) = runs
+    assert allocated == 2 * SLOT_STEP
+    assert torch.equal(grown, up_front)
+    reference = model(torch.cat([prompt, torch.tensor(tokens[:-1])])[None]).logits[0, -1]
+    torch.testing.assert_close(grown[-1], reference, atol=TREE_ATOL, rtol=0)

@@ -46,6 +46,7 @@ class CalibrationOptions:
     max_prompt_tokens: int = 256
     temperature: float = 0.0
     dtype: str = "auto"
+    weights: str = "auto"
     device: str = "cpu"
     threads: int | None = None
     repeats: int = 5
@@ -132,7 +133,7 @@ def calibrate(opts: CalibrationOptions, log=lambda message: None) -> dict:
         torch.set_num_threads(opts.threads)
     # The options are measured as given: an existing profile must not change what is being calibrated.
     speculator = build_speculator(opts.target, opts.method, opts.draft, dtype=opts.dtype, device=opts.device,
-                                  profile=False, **(opts.options or {}))
+                                  profile=False, weights=opts.weights, **(opts.options or {}))
     target, inner = speculator.target, speculator.drafter
     draft = resolve_draft(opts.method, opts.target, opts.draft)
     drafter = RecordingDrafter(inner)
@@ -209,7 +210,8 @@ def calibrate(opts: CalibrationOptions, log=lambda message: None) -> dict:
     }
     return {
         "target": target.name, "target_path": str(opts.target), "device": str(target.device.type),
-        "dtype": str(target.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
+        "dtype": str(target.dtype).removeprefix("torch."), "weights": target.weights,
+        "threads": torch.get_num_threads(),
         "torch": torch.__version__, "target_step_s": step,
         "verify_cost_s": {str(n): t for n, t in curve.items()},
         "methods": {opts.method: entry},
@@ -226,7 +228,8 @@ def format_report(profile: dict, method: str) -> str:
         return "–" if value is None else f"{value:{fmt}}"
 
     lines = [
-        f"target {profile['target']} ({profile['dtype']}, {profile['device']}, {profile['threads']} threads): "
+        f"target {profile['target']} ({profile['dtype']}, {profile.get('weights', 'float32')} weights, "
+        f"{profile['device']}, {profile['threads']} threads): "
         f"one target step {step * 1e3:.2f} ms",
         "verification cost v(n)/v(1): " + ", ".join(f"{n}: {t / step:.2f}" for n, t in sorted(curve.items())),
         f"method {method}: α {f(e['alpha'])}, mean draft depth γ {f(e['gamma'])}, {f(e['mean_nodes'], '.1f')} nodes "

@@ -48,7 +48,8 @@ HF_METHODS = {
     "hf_pld": {"num_tokens", "max_matching_ngram_size"},
 }
 BENCH_KEYS = {"target", "methods", "data", "category", "temperature", "max_new_tokens", "limit", "seed", "out",
-              "dtype", "device", "threads", "top_p", "top_k", "max_prompt_tokens", "warmup_tokens", "llama_server"}
+              "dtype", "device", "threads", "top_p", "top_k", "max_prompt_tokens", "warmup_tokens", "llama_server",
+              "weights"}
 
 
 @dataclass

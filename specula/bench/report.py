@@ -66,7 +66,8 @@ def markdown(results: dict) -> str:
     lines = [
         f"# Benchmark: {settings['target']}",
         "",
-        f"dtype {settings['dtype']}, device {settings['device']}, {settings['threads']} threads, "
+        f"dtype {settings['dtype']}, weights {settings.get('weights', 'float32')}, device {settings['device']}, "
+        f"{settings['threads']} threads, "
         f"max_new_tokens {settings['max_new_tokens']}, top_k {settings['top_k']}, top_p {settings['top_p']}, "
         f"seed {settings['seed']}; torch {env.get('torch', '?')}, transformers {env.get('transformers', '?')}.",
         f"Data: {', '.join(settings['data'])}"
@@ -188,6 +189,7 @@ def plot_speedup_tau(results: dict, path: Path) -> None:
     if handles:
         fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 8), fontsize=8, frameon=False)
     fig.suptitle(f"{results['settings']['target']} ({results['settings']['dtype']}, "
+                 f"{results['settings'].get('weights', 'float32')} weights, "
                  f"{results['settings']['threads']} threads)")
     fig.tight_layout(rect=(0, 0.06 if handles else 0, 1, 1))
     _save_figure(fig, path)

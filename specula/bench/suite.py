@@ -42,8 +42,8 @@ from specula.sampling import SamplingParams
 
 RESULTS_VERSION = 1
 # Settings that must match for a resumed run to be comparable with what is already in results.json.
-RESUME_KEYS = ("target", "dtype", "device", "threads", "max_new_tokens", "max_prompt_tokens", "seed", "top_k",
-               "top_p")
+RESUME_KEYS = ("target", "dtype", "weights", "device", "threads", "max_new_tokens", "max_prompt_tokens", "seed",
+               "top_k", "top_p")
 
 
 @dataclass
@@ -57,6 +57,7 @@ class BenchSettings:
     max_new_tokens: int = 128
     seed: int = 0
     dtype: str = "auto"
+    weights: str = "auto"  # the target's linear weights (`specula.weights`), for every method alike
     device: str = "cpu"
     threads: int | None = None
     top_p: float = 1.0
@@ -230,7 +231,7 @@ def _run_bench(settings: BenchSettings, resources: contextlib.ExitStack) -> dict
     previous = read_results(out) if out.is_dir() else None
 
     rss_before = rss_mb()
-    target = Target.load(settings.target, dtype=settings.dtype, device=settings.device)
+    target = Target.load(settings.target, dtype=settings.dtype, device=settings.device, weights=settings.weights)
     target_rss = rss_mb() - rss_before
     dtype_name = str(target.dtype).removeprefix("torch.")
     runners, load_rss = {}, {}
@@ -254,7 +255,7 @@ def _run_bench(settings: BenchSettings, resources: contextlib.ExitStack) -> dict
                            f"{settings.max_new_tokens} do not fit the {context}-token context of {smallest}")
     run_settings = {
         "target": target.name, "target_path": str(settings.target),
-        "dtype": dtype_name, "device": str(target.device), "threads": threads,
+        "dtype": dtype_name, "weights": target.weights, "device": str(target.device), "threads": threads,
         "max_new_tokens": settings.max_new_tokens, "max_prompt_tokens": max_prompt_tokens, "seed": settings.seed,
         "top_k": settings.top_k, "top_p": settings.top_p, "temperatures": settings.temperatures,
         "data": settings.data, "categories": settings.categories, "limit": settings.limit,

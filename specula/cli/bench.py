@@ -21,13 +21,14 @@ from specula.bench.questions import load_questions, read_questions
 from specula.bench.suite import BenchSettings, run_bench
 from specula.bench.vanilla_vs_hf import DEFAULT_PROMPTS, read_prompts
 from specula.bench.vanilla_vs_hf import run as vanilla_vs_hf
-from specula.cli.common import DTYPE_CHOICES, device_name, positive_int
+from specula.cli.common import DTYPE_CHOICES, add_weights_argument, device_name, positive_int
 from specula.errors import SpeculaError
 from specula.methods import DEFAULT_TARGET, METHODS, resolve_draft
 from specula.model_source import model_name
 from specula.profile import all_defaults, load_profile, profile_path, save_profile
 from specula.sampling import SamplingParams
 from specula.target import check_model_dir
+from specula.weights import resolve_weights
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "pycode" / "eval.jsonl"
 
@@ -95,6 +96,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, metavar="DIR", help="output directory (resumes from its results.json)")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, help="(default: auto, as stored)")
     p.add_argument("--device", type=device_name, help="torch device (default: cpu)")
+    add_weights_argument(p, default=None)  # every row (transformers baselines too) runs on the same target weights
     p.add_argument("--threads", type=positive_int, metavar="N",
                    help="torch threads, fixed for the run (default: torch's current setting)")
     p.add_argument("--warmup-tokens", type=positive_int, metavar="N", help="warm-up length per method (default 16)")
@@ -128,6 +130,8 @@ def bench_settings(args: argparse.Namespace):
     top_k = _int(pick("top_k", 0), "top_k", minimum=0)
     for t in temperatures:
         SamplingParams(t, top_k, top_p)  # validates
+    weights = str(pick("weights", "auto"))
+    resolve_weights(weights)  # a config file's value is not checked by argparse
     if not temperatures or len(set(temperatures)) != len(temperatures):
         raise SpeculaError("give each temperature once (e.g. --temperature 0,1)")
     data = _split(pick("data", str(DEFAULT_DATA)))
@@ -161,7 +165,7 @@ def bench_settings(args: argparse.Namespace):
     settings = BenchSettings(
         target=target, methods=specs, data=data, questions=questions, out=Path(out), temperatures=temperatures,
         max_new_tokens=_int(pick("max_new_tokens", 128), "max_new_tokens"), seed=int(pick("seed", 0)),
-        dtype=str(pick("dtype", "auto")), device=device, threads=_int(pick("threads"), "threads"),
+        dtype=str(pick("dtype", "auto")), weights=weights, device=device, threads=_int(pick("threads"), "threads"),
         top_p=top_p, top_k=top_k, max_prompt_tokens=_int(pick("max_prompt_tokens"), "max_prompt_tokens"),
         warmup_tokens=_int(pick("warmup_tokens", 16), "warmup_tokens"), categories=categories, limit=limit,
         profile=profile, progress=not args.no_progress, llama_server=llama_server,
@@ -180,7 +184,7 @@ def canonical_command(settings) -> str:
         parts += ["--limit", str(settings.limit)]
     parts += ["--temperature", ",".join(f"{t:g}" for t in settings.temperatures),
               "--max-new-tokens", str(settings.max_new_tokens), "--seed", str(settings.seed),
-              "--dtype", settings.dtype]
+              "--dtype", settings.dtype, "--weights", settings.weights]
     if settings.threads:
         parts += ["--threads", str(settings.threads)]
     if settings.max_prompt_tokens:
@@ -250,6 +254,7 @@ def add_calibrate_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="largest tree budget considered (default: %(default)s)")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help="(default: %(default)s, as stored)")
     p.add_argument("--device", type=device_name, default="cpu")
+    add_weights_argument(p)
     p.add_argument("--threads", type=positive_int, metavar="N", help="torch threads (default: torch's setting)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, metavar="FILE",
@@ -274,7 +279,8 @@ def run_calibrate_command(args: argparse.Namespace) -> int:
         target=str(args.target), method=args.method, draft=None if args.draft is None else str(args.draft),
         options=options, prompts=prompts, max_new_tokens=args.max_new_tokens,
         max_prompt_tokens=args.max_prompt_tokens, temperature=args.temperature, dtype=args.dtype,
-        device=args.device, threads=args.threads, repeats=args.repeats, max_nodes=args.max_nodes, seed=args.seed)
+        weights=args.weights, device=args.device,
+        threads=args.threads, repeats=args.repeats, max_nodes=args.max_nodes, seed=args.seed)
     profile = calibrate(opts, log=lambda message: print(message, file=sys.stderr))
     if args.json:
         print(json.dumps(profile, indent=2))

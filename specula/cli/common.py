@@ -61,12 +61,15 @@ def device_name(text: str) -> str:
     return text
 
 
-def add_weights_argument(p: argparse.ArgumentParser) -> None:
-    """``--weights``: the format of the target's linear weights (`specula.weights`)."""
-    p.add_argument("--weights", choices=WEIGHT_FORMATS, default="auto",
+def add_weights_argument(p: argparse.ArgumentParser, default: str | None = "auto") -> None:
+    """``--weights``: the format of the target's linear weights (`specula.weights`).
+
+    ``default`` None lets a config file supply it (bench); the command then treats a missing value as auto.
+    """
+    p.add_argument("--weights", choices=WEIGHT_FORMATS, default=default,
                    help="format of the target's linear weights: int8 and int4 are weight-only quantized (a "
                         "different, smaller model, decoded losslessly); int4 from a Q4_0/Q4_1 GGUF uses the "
-                        f"file's own blocks; auto is {AUTO_FORMAT} for now (default: %(default)s)")
+                        f"file's own blocks; auto is {AUTO_FORMAT} for now (default: auto)")
 
 
 def add_method_arguments(p: argparse.ArgumentParser) -> None:
