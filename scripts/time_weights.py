@@ -3,8 +3,9 @@
 Every variant is loaded into this one process and timed interleaved (repeat r runs every k of every
 variant in a shuffled order), so a noisy neighbour slows all of them alike; the table shows medians.
 Peak and final RSS are measured per variant in a fresh subprocess (load + the prefix), since a
-process has only one peak; the peak is reached while loading, because the float32 model is loaded
-before its layers are quantized. The KV cache is preallocated for the model's whole context.
+process has only one peak. Variants without ``+head``/``@float32`` load as `Target.load` does (quantized
+layer by layer while reading, `specula.streamed_load`); the others load the float model whole first. The
+KV cache is allocated for what the prefix and the timed blocks need (it grows on demand).
 The times are of `Target.forward` (all decoder layers and the LM head over k tokens after the
 committed prefix), not of a whole decoding method.
 
@@ -38,7 +39,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from specula.model_source import DEFAULT_MODEL, gguf_source, model_name  # noqa: E402
-from specula.target import Target, load_causal_lm  # noqa: E402
+from specula.target import Target, load_causal_lm, load_converted_lm  # noqa: E402
 from specula.weights import KERNEL_DTYPE, quantize_linear_weights  # noqa: E402
 
 QUESTIONS = REPO.parent / "shared" / "data" / "mt_bench" / "question.jsonl"
@@ -51,10 +52,13 @@ def load_variant(target: str, variant: str, dtype: str = "auto") -> Target:
     fmt, float32 = variant.removesuffix("@float32"), variant.endswith("@float32")
     fmt, head = fmt.removesuffix("+head"), fmt.endswith("+head")
     fmt, requant = fmt.removesuffix("-requant"), fmt.endswith("-requant")
-    model, tokenizer = load_causal_lm(target, dtype)  # as Target.load does, with the options it does not take
     source = None if requant or fmt != "int4" else gguf_source(target)
-    report = quantize_linear_weights(model, fmt, lm_head=head, gguf_file=source,
-                                     compute_dtype=torch.float32 if float32 else KERNEL_DTYPE)
+    if head or float32:  # options Target.load does not take: load whole, then convert
+        model, tokenizer = load_causal_lm(target, dtype)
+        report = quantize_linear_weights(model, fmt, lm_head=head, gguf_file=source,
+                                         compute_dtype=torch.float32 if float32 else KERNEL_DTYPE)
+    else:
+        model, tokenizer, report = load_converted_lm(target, dtype, "cpu", "target", fmt, source)
     loaded = Target(model, tokenizer, name=model_name(target))
     loaded.weights, loaded.weights_report = fmt, report
     return loaded
@@ -91,8 +95,7 @@ def rss_of_this_process() -> tuple[int, int]:
 
 
 def rss_mib(args: argparse.Namespace, variant: str) -> tuple[float, float]:
-    """(peak, final) RSS in MiB of a fresh process that loads ``variant`` and runs the prefix; the peak is
-    reached while loading (the float32 model is loaded before it is quantized)."""
+    """(peak, final) RSS in MiB of a fresh process that loads ``variant`` and runs the prefix."""
     command = [sys.executable, __file__, "--rss-of", variant, "--target", args.target, "--dtype", args.dtype,
                "--threads", str(args.threads), "--prefix", str(args.prefix)]
     done = subprocess.run(command, capture_output=True, text=True, check=True)
