@@ -276,7 +276,7 @@ def export_eagle3_gguf(head_dir: str | Path, target: str | Path, out_file: str |
     only after every check has passed: bad input leaves nothing behind.
     """
     from specula.formats import load_head
-    from specula.outputs import atomic_write
+    from specula.outputs import atomic_write_gguf
 
     head_dir, out = Path(head_dir), Path(out_file)
     check_out_file(out, head_dir, Path(target))
@@ -289,11 +289,5 @@ def export_eagle3_gguf(head_dir: str | Path, target: str | Path, out_file: str |
     except OSError as err:
         raise SpeculaError(f"--out {out}: cannot create its directory: {err.strerror or err}") from err
 
-    def write(tmp: str) -> None:
-        writer.write_header_to_file(path=Path(tmp))
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-
-    atomic_write(out, write)
+    atomic_write_gguf(out, writer)
     return out

@@ -150,7 +150,7 @@ def build_writer(model_dir: Path, outtype: str = "f32", vocab_gguf: Path | None 
 def export_llama_gguf(model_dir: str | Path, out_file: str | Path, outtype: str = "f32",
                       vocab_gguf: str | Path | None = None) -> Path:
     """Write the Hugging Face Llama model in ``model_dir`` as a llama.cpp GGUF ``out_file`` (atomically)."""
-    from specula.outputs import atomic_write
+    from specula.outputs import atomic_write_gguf
 
     model_dir, out = Path(model_dir), Path(out_file)
     if out.suffix.lower() != ".gguf":
@@ -158,11 +158,5 @@ def export_llama_gguf(model_dir: str | Path, out_file: str | Path, outtype: str 
     writer = build_writer(model_dir, outtype, None if vocab_gguf is None else Path(vocab_gguf))
     out.parent.mkdir(parents=True, exist_ok=True)
 
-    def write(tmp: str) -> None:
-        writer.write_header_to_file(path=Path(tmp))
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-
-    atomic_write(out, write)
+    atomic_write_gguf(out, writer)
     return out

@@ -181,3 +181,15 @@ def prepare_output_dir(path: str | Path, kind: str, resume: bool = False, create
     if marker is None:
         atomic_write_json(out / MARKER, {"kind": kind, "version": MARKER_VERSION})
     return out
+
+
+def atomic_write_gguf(path: str | Path, writer) -> None:
+    """Write a filled `gguf.GGUFWriter` (header, metadata, tensors) to ``path`` atomically, then close it."""
+
+    def write(tmp: str) -> None:
+        writer.write_header_to_file(path=Path(tmp))
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+
+    atomic_write(path, write)
