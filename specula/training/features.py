@@ -109,7 +109,6 @@ def cache_features(target: Target, samples: Sequence[TrainingSample], cache_dir:
         metadata = {"first": str(shard["first"]), "count": str(shard["count"])}
         atomic_write(directory / shard["file"], lambda tmp, t=tensors, m=metadata: save_file(t, tmp, metadata=m))
     bar.close()
-    target.reset()
     if not manifest["complete"]:
         manifest["complete"] = True
         atomic_write_text(manifest_path, json.dumps(manifest, indent=1))
