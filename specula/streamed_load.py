@@ -84,22 +84,25 @@ def load_converted(model_dir: Path, config, torch_dtype: torch.dtype, fmt: str,
     if not index.known or stored != expected:
         return None
     converter = LinearConverter(fmt, config, "cpu", gguf_file)
-    for name in linear_names(len(model.model.layers)):
+    for name in linear_names(len(model.model.layers), lm_head=True):
         meta = model.get_submodule(name)
         linear = nn.Linear(meta.in_features, meta.out_features, bias=meta.bias is not None, device="meta")
-        linear.weight = nn.Parameter(index.read(f"{name}.weight", torch_dtype), requires_grad=False)
+        # A tied LM head is read from the embedding, which stays float (it is looked up, never multiplied).
+        stored_name = "model.embed_tokens" if tied and name == "lm_head" else name
+        linear.weight = nn.Parameter(index.read(f"{stored_name}.weight", torch_dtype), requires_grad=False)
         if meta.bias is not None:
             linear.bias = nn.Parameter(index.read(f"{name}.bias", torch_dtype), requires_grad=False)
         parent, _, attribute = name.rpartition(".")
         setattr(model.get_submodule(parent), attribute, converter.convert(name, linear))
-        stored.pop(f"{name}.weight")
-        stored.pop(f"{name}.bias", None)
+        if stored_name == name:
+            stored.pop(f"{name}.weight")
+            stored.pop(f"{name}.bias", None)
         if name.endswith(LAYER_LINEARS[-1]):
             # Each layer's float reads and conversion temporaries are freed, but glibc would keep them in holes
             # between the converted buffers: without this, the int4 SmolLM2 grew by 2.3 MB per linear (+480 MB).
             trim_heap()
     model.load_state_dict({name: index.read(name, torch_dtype) for name in stored}, strict=False, assign=True)
-    if tied:
+    if tied and isinstance(model.get_output_embeddings(), nn.Linear):  # float32: nothing was converted
         model.get_output_embeddings().weight = model.get_input_embeddings().weight
     if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
         return None

@@ -121,7 +121,7 @@ def load_causal_lm(path: str | Path, dtype: str | torch.dtype = "auto", device: 
 
 def load_converted_lm(path: str | Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
                       role: str = "model", weights: str = "float32", gguf_file: str | Path | None = None):
-    """Load (model, tokenizer, WeightsReport) with the decoder layers' linears in ``weights`` (`specula.weights`).
+    """Load (model, tokenizer, WeightsReport) with the linears (layers and LM head) in ``weights`` (`specula.weights`).
 
     On a CPU, a Llama-family safetensors checkpoint is converted layer by layer as it is read
     (`specula.streamed_load`: peak memory near the converted model's, not the float model's); otherwise
@@ -180,7 +180,7 @@ def load_converted_lm(path: str | Path, dtype: str | torch.dtype = "auto", devic
         raise SpeculaError(f"device '{device}' is not usable: {str(err).splitlines()[0]}") from err
     model.requires_grad_(False)
     if converted is None:
-        report = quantize_linear_weights(model, weights, gguf_file=gguf_file)
+        report = quantize_linear_weights(model, weights, lm_head=True, gguf_file=gguf_file)
     return model, tokenizer, report
 
 
@@ -219,7 +219,7 @@ class Target:
         self.dtype = next(model.parameters()).dtype
         head = model.get_output_embeddings()  # a quantized head (specula.weights) has no float weight
         self.vocab_size = int(getattr(head, "out_features", None) or head.weight.shape[0])
-        self.weights = "float32"  # the format of the decoder layers' linear weights (specula.weights)
+        self.weights = "float32"  # the format of the linear weights (decoder layers and LM head) (specula.weights)
         position_limit = getattr(self.config, "max_position_embeddings", None) or DEFAULT_MAX_CACHE
         self.max_length = int(min(position_limit, max_length or DEFAULT_MAX_CACHE))
         runtime = _LlamaFamilyRuntime if self.config.model_type in LLAMA_FAMILY else _GenericRuntime
@@ -230,7 +230,7 @@ class Target:
     def load(cls, path: str | Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
              max_length: int | None = None, role: str = "target", weights: str = "float32",
              gguf_blocks: bool = True) -> Target:
-        """Load a target; ``weights`` is the format of its decoder layers' linear weights (`specula.weights`).
+        """Load a target; ``weights`` is the format of its linears, LM head included (`specula.weights`).
 
         gguf_blocks: when the target is a GGUF file with Q4_0/Q4_1 tensors and ``weights`` is int4, use the
         file's own blocks rather than requantizing their dequantized values.

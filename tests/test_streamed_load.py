@@ -20,7 +20,7 @@ FORMATS = ("bfloat16", "int8", "int4")
 
 def loaded_whole_then_converted(model_dir: Path, fmt: str):
     model, _ = load_causal_lm(model_dir, "float32")
-    report = quantize_linear_weights(model, fmt)
+    report = quantize_linear_weights(model, fmt, lm_head=True)
     return model, report
 
 
@@ -43,7 +43,8 @@ def test_a_tied_checkpoint_converted_while_read_equals_loading_it_whole_then_con
     streamed, report = load_converted(STORIES, AutoConfig.from_pretrained(STORIES), torch.float32, fmt)
     whole, expected = loaded_whole_then_converted(STORIES, fmt)
     assert_same_model(streamed, whole)
-    assert streamed.get_output_embeddings().weight is streamed.get_input_embeddings().weight
+    # The LM head is converted like the layers; the embedding it was tied to stays float32.
+    assert report.converted[-1] == "lm_head" and streamed.get_input_embeddings().weight.dtype == torch.float32
     assert report.converted == expected.converted and report.bytes_after == expected.bytes_after
     assert streamed.generation_config.eos_token_id == whole.generation_config.eos_token_id
 
@@ -63,7 +64,7 @@ def test_target_load_converts_while_reading_and_decodes_like_before():
     target = Target.load(STORIES, dtype="float32", weights="int4")
     whole, _ = loaded_whole_then_converted(STORIES, "int4")
     assert_same_model(target.model, whole)
-    assert target.weights == "int4" and len(target.weights_report.converted) == 5 * 7
+    assert target.weights == "int4" and len(target.weights_report.converted) == 5 * 7 + 1  # and the LM head
 
 
 def test_a_checkpoint_it_cannot_stream_is_loaded_whole_and_still_refused_by_name(tmp_path):

@@ -167,7 +167,8 @@ def test_int4_target_from_a_gguf_carries_its_blocks(quantized_gguf):
     reader = gguf.GGUFReader(str(quantized_gguf))
     file_weights = {t.name: torch.tensor(gguf.quants.dequantize(t.data, t.tensor_type)) for t in reader.tensors}
     report = Target.load(quantized_gguf, weights="int4").weights_report
-    assert len(report.carried) == 14 and not report.requantized
+    assert len(report.carried) == 15 and not report.requantized  # 14 decoder linears and the (tied) LM head
+    assert report.carried["lm_head"] == "Q4_1"
     assert report.carried["model.layers.0.self_attn.v_proj"] == "Q4_0"
     # Computed in float32, the kernel applies the file's weights to float32 precision.
     target = Target.load(quantized_gguf, weights="float32")
@@ -186,7 +187,7 @@ def test_int4_target_from_a_gguf_carries_its_blocks(quantized_gguf):
 
 def test_gguf_blocks_can_be_left_out_and_the_lm_head_carried(quantized_gguf):
     requantized = Target.load(quantized_gguf, weights="int4", gguf_blocks=False).weights_report
-    assert not requantized.carried and len(requantized.requantized) == 14
+    assert not requantized.carried and len(requantized.requantized) == 15
     model = Target.load(quantized_gguf, weights="float32").model
     report = quantize_linear_weights(model, "int4", lm_head=True, gguf_file=quantized_gguf)
     assert report.carried["lm_head"] == "Q4_1" and len(report.carried) == 15
@@ -331,3 +332,11 @@ def test_a_bad_weights_value_is_one_error_line(capfd):
     code, out, err = generate(capfd, "--target", STORIES, "--prompt", "hi", "--weights", "int3")
     assert code == 2 and out == ""
     assert len(err.splitlines()) == 1 and err.startswith("specula: error: ") and "--weights" in err, err
+
+
+@pytest.mark.parametrize("fmt, module", [("int8", Int8Linear), ("int4", Int4Linear)])
+def test_a_loaded_target_has_its_lm_head_in_the_format_and_its_embedding_float(fmt, module):
+    """The LM head is the largest matrix read per token (a third of an int4 step on SmolLM2)."""
+    target = specula.load(STORIES, weights=fmt, dtype="float32").target
+    assert isinstance(target.model.lm_head, module) and target.weights_report.converted[-1] == "lm_head"
+    assert target.model.model.embed_tokens.weight.dtype == torch.float32

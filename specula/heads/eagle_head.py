@@ -121,7 +121,9 @@ class EagleHead(nn.Module):
         lm_head = self.__dict__["_lm_head"]() if "_lm_head" in self.__dict__ else None
         if lm_head is None:
             raise RuntimeError("EagleHead.attach(target) must be called before drafting")
-        return torch.log_softmax(lm_head(predicted.to(lm_head.weight.dtype)).float(), dim=-1)
+        # A quantized LM head (specula.weights) casts its input itself and has no float weight.
+        dtype = lm_head.weight.dtype if isinstance(lm_head, nn.Linear) else predicted.dtype
+        return torch.log_softmax(lm_head(predicted.to(dtype)).float(), dim=-1)
 
     @torch.no_grad()
     def step(self, features: torch.Tensor, token_embeds: torch.Tensor, positions: torch.Tensor,
