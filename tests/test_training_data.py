@@ -249,8 +249,10 @@ def test_a_cache_built_for_other_settings_is_refused(target, tmp_path):
     assert all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(samples, again, strict=True))
     with pytest.raises(SpeculaError, match=r"other settings \(max_new_tokens: 6 -> 7\)"):
         prepare_samples(target, records, cache_dir=tmp_path, max_new_tokens=7, batch_size=2, progress=False)
-    with pytest.raises(SpeculaError, match="other data"):
-        prepare_samples(target, records[:2], cache_dir=tmp_path, max_new_tokens=6, batch_size=2, progress=False)
+    answered = [TrainingRecord((("user", p), ("assistant", "Once upon a time"))) for p in STORY_PROMPTS[:2]]
+    prepare_samples(target, answered, cache_dir=tmp_path / "own", regenerate=False, log=None)
+    with pytest.raises(SpeculaError, match="other data"):  # samples that were not regenerated are never lent
+        prepare_samples(target, answered[:1], cache_dir=tmp_path / "own", regenerate=False, log=None)
 
     cache_features(target, samples, tmp_path, REQUEST, shard_size=2, progress=False, log=None)
     with pytest.raises(SpeculaError, match="other request"):
@@ -262,6 +264,30 @@ def test_a_cache_built_for_other_settings_is_refused(target, tmp_path):
         cache_features(other, samples, tmp_path, REQUEST, shard_size=2, progress=False)
     with pytest.raises(SpeculaError, match="another target"):
         CachedFeatures(tmp_path, target=other)
+
+
+def test_added_prompts_regenerate_only_the_new_records(target, tmp_path, monkeypatch):
+    first = [TrainingRecord((("user", p),)) for p in STORY_PROMPTS[:3]]
+    settings = dict(cache_dir=tmp_path, max_new_tokens=6, batch_size=2, progress=False, log=None)
+    before = prepare_samples(target, first, **settings)
+    generated = []
+    original = regeneration.generate_batch
+    monkeypatch.setattr(regeneration, "generate_batch", lambda *a, **k: generated.extend(a[1]) or original(*a, **k))
+    new = TrainingRecord((("user", STORY_PROMPTS[3]),))
+    grown = [first[2], new, first[0], first[1]]  # reordered, and one record added
+    logged = []
+    samples = prepare_samples(target, grown, **{**settings, "batch_size": 3, "log": logged.append})
+    assert len(generated) == 1  # only the new record's prompt went to the target
+    assert logged[0].startswith("reusing 3 of 4 samples")
+    for sample, old in zip([samples[2], samples[3], samples[0]], before, strict=True):
+        assert torch.equal(sample.input_ids, old.input_ids) and torch.equal(sample.loss_mask, old.loss_mask)
+    fresh = regenerate(target, [new], max_new_tokens=6, progress=False)[0]
+    assert torch.equal(samples[1].input_ids, fresh.input_ids) and torch.equal(samples[1].loss_mask, fresh.loss_mask)
+    generated.clear()
+    again = prepare_samples(target, grown, **{**settings, "batch_size": 3})  # the cache now holds the grown data
+    assert not generated and all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(again, samples, strict=True))
+    with pytest.raises(SpeculaError, match=r"other settings \(max_new_tokens: 6 -> 7"):
+        prepare_samples(target, grown, **{**settings, "batch_size": 3, "max_new_tokens": 7})
 
 
 def test_interrupted_regeneration_resumes_from_its_journal(target, tmp_path, monkeypatch):
