@@ -290,6 +290,31 @@ def test_added_prompts_regenerate_only_the_new_records(target, tmp_path, monkeyp
         prepare_samples(target, grown, **{**settings, "batch_size": 3, "max_new_tokens": 7})
 
 
+def test_an_interrupted_regeneration_of_added_prompts_resumes(target, tmp_path, monkeypatch):
+    records = [TrainingRecord((("user", p),)) for p in STORY_PROMPTS[:6]]
+    settings = dict(cache_dir=tmp_path, max_new_tokens=6, batch_size=2, progress=False, log=None)
+    prepare_samples(target, records[:2], **settings)
+    generated = []
+    original = regeneration.generate_batch
+
+    def interrupted(*args, **kwargs):
+        if len(generated) == 1:
+            raise KeyboardInterrupt
+        generated.append(args[1])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(regeneration, "generate_batch", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        prepare_samples(target, records, **settings)
+    monkeypatch.setattr(regeneration, "generate_batch", lambda *a, **k: generated.append(a[1]) or original(*a, **k))
+    generated.clear()
+    samples = prepare_samples(target, records, **settings)
+    assert len(generated) == 1  # of the 4 added records' 2 batches, one came from the journal
+    seeded = prepare_samples(target, records[:2], max_new_tokens=6, batch_size=2, progress=False, log=None)
+    added = regenerate(target, records[2:], max_new_tokens=6, batch_size=2, progress=False)  # the same batches
+    assert all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(samples, seeded + added, strict=True))
+
+
 def test_interrupted_regeneration_resumes_from_its_journal(target, tmp_path, monkeypatch):
     records = [TrainingRecord((("user", p),)) for p in STORY_PROMPTS[:6]]
     settings = dict(max_new_tokens=8, temperature=1.0, batch_size=2, seed=3, progress=False, log=None)
