@@ -240,6 +240,29 @@ def test_feature_cache_round_trip_and_resume(target, tmp_path, monkeypatch):
                                rtol=1e-4, atol=1e-4)
 
 
+def test_added_samples_compute_only_the_shards_that_changed(target, tmp_path, monkeypatch):
+    records = [TrainingRecord((("user", p), ("assistant", " and they were happy."))) for p in STORY_PROMPTS[:6]]
+    samples = build_samples(records, target.tokenizer)
+    cache_features(target, samples[:5], tmp_path, REQUEST, shard_size=2, progress=False, log=None)
+    kept = {p.name: p.stat().st_mtime_ns for p in tmp_path.glob("features-*.safetensors")}
+    calls = []
+    batched = features_module.batched_features
+    monkeypatch.setattr(features_module, "batched_features",
+                        lambda t, sequences, r: calls.extend(map(len, sequences)) or batched(t, sequences, r))
+    grown = cache_features(target, samples, tmp_path, REQUEST, shard_size=2, progress=False, log=None)
+    assert sorted(calls) == sorted([len(samples[4].input_ids), len(samples[5].input_ids)])  # the last shard only
+    for name in ("features-00000.safetensors", "features-00001.safetensors"):
+        assert (tmp_path / name).stat().st_mtime_ns == kept[name]
+    assert len(grown) == 6 and torch.equal(grown[5]["input_ids"], samples[5].input_ids)
+    torch.testing.assert_close(grown[5]["hidden"], target.prefill(samples[5].input_ids, REQUEST).hidden,
+                               rtol=1e-4, atol=1e-4)
+    calls.clear()
+    changed = [samples[1], samples[0], *samples[2:]]  # the first shard's samples swapped: it no longer matches
+    cache = cache_features(target, changed, tmp_path, REQUEST, shard_size=2, progress=False, log=None)
+    assert sorted(calls) == sorted([len(samples[0].input_ids), len(samples[1].input_ids)])
+    assert torch.equal(cache[0]["input_ids"], samples[1].input_ids)
+
+
 def test_a_cache_built_for_other_settings_is_refused(target, tmp_path):
     records = [TrainingRecord((("user", p),)) for p in STORY_PROMPTS[:3]]
     samples = prepare_samples(target, records, cache_dir=tmp_path, max_new_tokens=6, batch_size=2, progress=False,
@@ -257,8 +280,8 @@ def test_a_cache_built_for_other_settings_is_refused(target, tmp_path):
     cache_features(target, samples, tmp_path, REQUEST, shard_size=2, progress=False, log=None)
     with pytest.raises(SpeculaError, match="other request"):
         cache_features(target, samples, tmp_path, FeatureRequest(final_hidden=True), shard_size=2, progress=False)
-    with pytest.raises(SpeculaError, match="other samples"):
-        cache_features(target, samples[:2], tmp_path, REQUEST, shard_size=2, progress=False)
+    with pytest.raises(SpeculaError, match="other shard_size"):
+        cache_features(target, samples, tmp_path, REQUEST, shard_size=1, progress=False)
     other = Target.load(STORIES, dtype="bfloat16")
     with pytest.raises(SpeculaError, match="other target"):
         cache_features(other, samples, tmp_path, REQUEST, shard_size=2, progress=False)
