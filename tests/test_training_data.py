@@ -240,6 +240,29 @@ def test_feature_cache_round_trip_and_resume(target, tmp_path, monkeypatch):
                                rtol=1e-4, atol=1e-4)
 
 
+def test_added_samples_compute_only_the_shards_that_changed(target, tmp_path, monkeypatch):
+    records = [TrainingRecord((("user", p), ("assistant", " and they were happy."))) for p in STORY_PROMPTS[:6]]
+    samples = build_samples(records, target.tokenizer)
+    cache_features(target, samples[:5], tmp_path, REQUEST, shard_size=2, progress=False, log=None)
+    kept = {p.name: p.stat().st_mtime_ns for p in tmp_path.glob("features-*.safetensors")}
+    calls = []
+    batched = features_module.batched_features
+    monkeypatch.setattr(features_module, "batched_features",
+                        lambda t, sequences, r: calls.extend(map(len, sequences)) or batched(t, sequences, r))
+    grown = cache_features(target, samples, tmp_path, REQUEST, shard_size=2, progress=False, log=None)
+    assert sorted(calls) == sorted([len(samples[4].input_ids), len(samples[5].input_ids)])  # the last shard only
+    for name in ("features-00000.safetensors", "features-00001.safetensors"):
+        assert (tmp_path / name).stat().st_mtime_ns == kept[name]
+    assert len(grown) == 6 and torch.equal(grown[5]["input_ids"], samples[5].input_ids)
+    torch.testing.assert_close(grown[5]["hidden"], target.prefill(samples[5].input_ids, REQUEST).hidden,
+                               rtol=1e-4, atol=1e-4)
+    calls.clear()
+    changed = [samples[1], samples[0], *samples[2:]]  # the first shard's samples swapped: it no longer matches
+    cache = cache_features(target, changed, tmp_path, REQUEST, shard_size=2, progress=False, log=None)
+    assert sorted(calls) == sorted([len(samples[0].input_ids), len(samples[1].input_ids)])
+    assert torch.equal(cache[0]["input_ids"], samples[1].input_ids)
+
+
 def test_a_cache_built_for_other_settings_is_refused(target, tmp_path):
     records = [TrainingRecord((("user", p),)) for p in STORY_PROMPTS[:3]]
     samples = prepare_samples(target, records, cache_dir=tmp_path, max_new_tokens=6, batch_size=2, progress=False,
@@ -249,19 +272,70 @@ def test_a_cache_built_for_other_settings_is_refused(target, tmp_path):
     assert all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(samples, again, strict=True))
     with pytest.raises(SpeculaError, match=r"other settings \(max_new_tokens: 6 -> 7\)"):
         prepare_samples(target, records, cache_dir=tmp_path, max_new_tokens=7, batch_size=2, progress=False)
-    with pytest.raises(SpeculaError, match="other data"):
-        prepare_samples(target, records[:2], cache_dir=tmp_path, max_new_tokens=6, batch_size=2, progress=False)
+    answered = [TrainingRecord((("user", p), ("assistant", "Once upon a time"))) for p in STORY_PROMPTS[:2]]
+    prepare_samples(target, answered, cache_dir=tmp_path / "own", regenerate=False, log=None)
+    with pytest.raises(SpeculaError, match="other data"):  # samples that were not regenerated are never lent
+        prepare_samples(target, answered[:1], cache_dir=tmp_path / "own", regenerate=False, log=None)
 
     cache_features(target, samples, tmp_path, REQUEST, shard_size=2, progress=False, log=None)
     with pytest.raises(SpeculaError, match="other request"):
         cache_features(target, samples, tmp_path, FeatureRequest(final_hidden=True), shard_size=2, progress=False)
-    with pytest.raises(SpeculaError, match="other samples"):
-        cache_features(target, samples[:2], tmp_path, REQUEST, shard_size=2, progress=False)
+    with pytest.raises(SpeculaError, match="other shard_size"):
+        cache_features(target, samples, tmp_path, REQUEST, shard_size=1, progress=False)
     other = Target.load(STORIES, dtype="bfloat16")
     with pytest.raises(SpeculaError, match="other target"):
         cache_features(other, samples, tmp_path, REQUEST, shard_size=2, progress=False)
     with pytest.raises(SpeculaError, match="another target"):
         CachedFeatures(tmp_path, target=other)
+
+
+def test_added_prompts_regenerate_only_the_new_records(target, tmp_path, monkeypatch):
+    first = [TrainingRecord((("user", p),)) for p in STORY_PROMPTS[:3]]
+    settings = dict(cache_dir=tmp_path, max_new_tokens=6, batch_size=2, progress=False, log=None)
+    before = prepare_samples(target, first, **settings)
+    generated = []
+    original = regeneration.generate_batch
+    monkeypatch.setattr(regeneration, "generate_batch", lambda *a, **k: generated.extend(a[1]) or original(*a, **k))
+    new = TrainingRecord((("user", STORY_PROMPTS[3]),))
+    grown = [first[2], new, first[0], first[1]]  # reordered, and one record added
+    logged = []
+    samples = prepare_samples(target, grown, **{**settings, "batch_size": 3, "log": logged.append})
+    assert len(generated) == 1  # only the new record's prompt went to the target
+    assert logged[0].startswith("reusing 3 of 4 samples")
+    for sample, old in zip([samples[2], samples[3], samples[0]], before, strict=True):
+        assert torch.equal(sample.input_ids, old.input_ids) and torch.equal(sample.loss_mask, old.loss_mask)
+    fresh = regenerate(target, [new], max_new_tokens=6, progress=False)[0]
+    assert torch.equal(samples[1].input_ids, fresh.input_ids) and torch.equal(samples[1].loss_mask, fresh.loss_mask)
+    generated.clear()
+    again = prepare_samples(target, grown, **{**settings, "batch_size": 3})  # the cache now holds the grown data
+    assert not generated and all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(again, samples, strict=True))
+    with pytest.raises(SpeculaError, match=r"other settings \(max_new_tokens: 6 -> 7"):
+        prepare_samples(target, grown, **{**settings, "batch_size": 3, "max_new_tokens": 7})
+
+
+def test_an_interrupted_regeneration_of_added_prompts_resumes(target, tmp_path, monkeypatch):
+    records = [TrainingRecord((("user", p),)) for p in STORY_PROMPTS[:6]]
+    settings = dict(cache_dir=tmp_path, max_new_tokens=6, batch_size=2, progress=False, log=None)
+    prepare_samples(target, records[:2], **settings)
+    generated = []
+    original = regeneration.generate_batch
+
+    def interrupted(*args, **kwargs):
+        if len(generated) == 1:
+            raise KeyboardInterrupt
+        generated.append(args[1])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(regeneration, "generate_batch", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        prepare_samples(target, records, **settings)
+    monkeypatch.setattr(regeneration, "generate_batch", lambda *a, **k: generated.append(a[1]) or original(*a, **k))
+    generated.clear()
+    samples = prepare_samples(target, records, **settings)
+    assert len(generated) == 1  # of the 4 added records' 2 batches, one came from the journal
+    seeded = prepare_samples(target, records[:2], max_new_tokens=6, batch_size=2, progress=False, log=None)
+    added = regenerate(target, records[2:], max_new_tokens=6, batch_size=2, progress=False)  # the same batches
+    assert all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(samples, seeded + added, strict=True))
 
 
 def test_interrupted_regeneration_resumes_from_its_journal(target, tmp_path, monkeypatch):

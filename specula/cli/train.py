@@ -44,7 +44,8 @@ def add_data_arguments(p: argparse.ArgumentParser) -> None:
                    help="JSONL of {'conversations': [...]}, {'prompt': ...} or {'text': ...} records")
     p.add_argument("--out", type=Path, required=True, metavar="DIR", help="where the head and checkpoints go")
     p.add_argument("--cache-dir", type=Path, metavar="DIR",
-                   help="keep regenerated samples and target features here and reuse them (resumable)")
+                   help="keep regenerated samples and target features here and reuse them (resumable; "
+                        "after prompts are added to --data only the new ones are regenerated)")
     p.add_argument("--no-regenerate", action="store_true",
                    help="train on the data's own responses instead of the target's (no self-distillation)")
     p.add_argument("--gen-max-new-tokens", type=positive_int, default=256, metavar="N",

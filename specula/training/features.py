@@ -10,7 +10,9 @@ sample. Features are stored in the target's dtype, bit for bit what the target c
 float32 target; half the disk for bfloat16); trainers cast them. A shard is written to a temporary
 file and renamed, so an interrupted run leaves only whole shards and the next run computes the rest.
 The manifest's fingerprint covers the samples, the target's weights and dtype, the feature request
-and the shard size: a cache built for anything else is refused, never silently reused.
+and the shard size: a cache built for anything else is refused, never silently reused — except that
+when only the samples changed (prompts added to the data), every shard whose own samples are the same
+(its entry's ``samples`` hash, at the same place) is kept and only the others are computed.
 """
 
 from __future__ import annotations
@@ -63,13 +65,14 @@ def cache_features(target: Target, samples: Sequence[TrainingSample], cache_dir:
     directory = Path(cache_dir)
     directory.mkdir(parents=True, exist_ok=True)
     manifest_path = directory / MANIFEST_FILE
-    shards = [{"file": f"features-{k:05d}.safetensors", "first": first, "count": min(shard_size, len(samples) - first)}
+    shards = [{"file": f"features-{k:05d}.safetensors", "first": first, "count": min(shard_size, len(samples) - first),
+               "samples": samples_hash(samples[first:first + shard_size])}
               for k, first in enumerate(range(0, len(samples), shard_size))]
-    if manifest_path.is_file():
-        manifest = _read_manifest(directory)
-        if manifest.get("fingerprint") != fingerprint:
-            raise cache_mismatch("the feature cache", directory, manifest.get("components", {}), components)
-    else:
+    manifest = _read_manifest(directory) if manifest_path.is_file() else None
+    if manifest is not None and manifest.get("fingerprint") != fingerprint:
+        _keep_same_shards(directory, manifest, components, shards, log)
+        manifest = None
+    if manifest is None:
         manifest = {
             "format": "specula-features", "version": FEATURES_VERSION, "fingerprint": fingerprint,
             "components": components,
@@ -258,6 +261,26 @@ def _check_request(target: Target, request: FeatureRequest) -> None:
     bad = [i for i in request.layer_inputs if not 0 <= i < layers]
     if bad:
         raise SpeculaError(f"requested inputs of layers {bad}, but the target has layers 0..{layers - 1}")
+
+
+def _keep_same_shards(directory: Path, manifest: dict, components: dict, shards: list[dict], log: Log | None) -> None:
+    """Delete the shards of a cache built for other samples, but those holding the same samples at the same place.
+
+    Only for the same target, request, shard size and version (anything else is refused); the stale
+    files go before the new manifest is written, so an interruption never leaves one looking done.
+    """
+    stored = manifest.get("components", {})
+    if {k: v for k, v in stored.items() if k != "samples"} != {k: v for k, v in components.items() if k != "samples"}:
+        raise cache_mismatch("the feature cache", directory, stored, components)
+    wanted = {(s["file"], s["first"], s["count"], s["samples"]) for s in shards}
+    old = manifest.get("shards", [])
+    kept = [s for s in old if (s.get("file"), s.get("first"), s.get("count"), s.get("samples")) in wanted]
+    for shard in old:
+        if shard not in kept:
+            (directory / shard["file"]).unlink(missing_ok=True)
+    if log:
+        log(f"feature cache {directory} was built for other samples: keeping the {len(kept)} of its {len(old)} "
+            "shards that hold the same samples")
 
 
 def _request_dict(request: FeatureRequest) -> dict:

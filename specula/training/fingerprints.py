@@ -45,6 +45,11 @@ def records_hash(records: Sequence[TrainingRecord]) -> str:
     return digest.hexdigest()[:20]
 
 
+def record_key(record: TrainingRecord) -> str:
+    """A hash of one record's content (its turns or its text, not the line it was read from)."""
+    return hashlib.sha256(json.dumps([record.messages, record.text]).encode()).hexdigest()[:20]
+
+
 def samples_hash(samples: Sequence[TrainingSample]) -> str:
     digest = hashlib.sha256()
     for sample in samples:
