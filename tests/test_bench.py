@@ -434,6 +434,22 @@ def test_bench_end_to_end_writes_every_output_and_resumes(tmp_path, story_questi
     assert len(json.loads((out / "results.json").read_text())["records"]) == 8
 
 
+def test_bench_refuses_to_resume_after_the_draft_changed_in_place(tmp_path, story_questions):
+    """A head retrained at the same path must not be reported with records the old head produced."""
+    import shutil
+
+    draft = tmp_path / "draft"
+    shutil.copytree(LLAMA2XS, draft)
+    args = ["bench", "--target", STORIES, "--methods", "sps", "--option", f"sps.draft={draft}", "--data",
+            story_questions, "--max-new-tokens", 4, "--temperature", "0", "--threads", 1, "--dtype", "float32",
+            "--out", tmp_path / "out", "--no-progress", "--no-profile"]
+    assert run_command(*args) == 0
+    assert run_command(*args) == 0  # unchanged: resumes, nothing to run
+    (draft / "generation_config.json").write_text('{"note": "retrained"}')
+    with pytest.raises(SpeculaError, match="method 'sps' had other options"):
+        run_command(*args)
+
+
 def test_bench_refuses_to_mix_other_settings(tmp_path, story_questions):
     out = tmp_path / "out"
     out.mkdir()

@@ -22,6 +22,7 @@ before a field existed lack it and count as "no data" for it, so older results.j
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import platform
@@ -116,6 +117,28 @@ def write_json(path: Path, data: dict) -> None:
 
 def record_key(record: dict) -> tuple[str, str, float]:
     return record["question"], record["method"], float(record["temperature"])
+
+
+def draft_digest(spec: MethodSpec, target: str | Path) -> str | None:
+    """SHA-256 over the files of the draft ``spec`` runs with (a bundled head when it names none), or None.
+
+    Part of a method's settings, so that a head retrained in place (same path, new weights) is not taken
+    for the one an earlier run in this output directory measured: resuming is then refused.
+    """
+    from specula.gguf_cache import file_sha256
+    from specula.methods import default_draft, get_method
+
+    draft = spec.draft
+    if draft is None and not spec.is_llamacpp and get_method(spec.method).draft:
+        draft = default_draft(target, spec.method)
+    if draft is None or not Path(draft).exists():
+        return None
+    path = Path(draft)
+    files = sorted(f for f in path.rglob("*") if f.is_file()) if path.is_dir() else [path]
+    digest = hashlib.sha256()
+    for file in files:
+        digest.update(f"{file.relative_to(path) if path.is_dir() else file.name}:{file_sha256(file)};".encode())
+    return digest.hexdigest()
 
 
 def check_resumable(previous: dict, settings: dict) -> None:
@@ -259,7 +282,8 @@ def _run_bench(settings: BenchSettings, resources: contextlib.ExitStack) -> dict
         "max_new_tokens": settings.max_new_tokens, "max_prompt_tokens": max_prompt_tokens, "seed": settings.seed,
         "top_k": settings.top_k, "top_p": settings.top_p, "temperatures": settings.temperatures,
         "data": settings.data, "categories": settings.categories, "limit": settings.limit,
-        "methods": {spec.label: spec.as_dict() for spec in settings.methods},
+        "methods": {spec.label: {**spec.as_dict(), "draft_sha256": draft_digest(spec, settings.target)}
+                    for spec in settings.methods},
     }
     # Created only now that every method has been built: a rejected option or model leaves nothing behind.
     try:
