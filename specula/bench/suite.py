@@ -126,10 +126,10 @@ def draft_digest(spec: MethodSpec, target: str | Path) -> str | None:
     for the one an earlier run in this output directory measured: resuming is then refused.
     """
     from specula.gguf_cache import file_sha256
-    from specula.methods import default_draft, get_method
+    from specula.methods import METHODS, default_draft
 
     draft = spec.draft
-    if draft is None and not spec.is_llamacpp and get_method(spec.method).draft:
+    if draft is None and spec.method in METHODS and METHODS[spec.method].draft:  # not transformers/llama.cpp rows
         draft = default_draft(target, spec.method)
     if draft is None or not Path(draft).exists():
         return None
