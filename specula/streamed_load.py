@@ -102,8 +102,6 @@ def load_converted(model_dir: Path, config, torch_dtype: torch.dtype, fmt: str,
             # between the converted buffers: without this, the int4 SmolLM2 grew by 2.3 MB per linear (+480 MB).
             trim_heap()
     model.load_state_dict({name: index.read(name, torch_dtype) for name in stored}, strict=False, assign=True)
-    if tied and isinstance(model.get_output_embeddings(), nn.Linear):  # float32: nothing was converted
-        model.get_output_embeddings().weight = model.get_input_embeddings().weight
     if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
         return None
     if (model_dir / "generation_config.json").is_file():

@@ -37,17 +37,22 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return digest.hexdigest()[:20]
 
 
+def _record_bytes(record: TrainingRecord) -> bytes:
+    """A record's content (its turns or its text, not the line it was read from), as hashed."""
+    return json.dumps([record.messages, record.text]).encode()
+
+
 def records_hash(records: Sequence[TrainingRecord]) -> str:
     digest = hashlib.sha256()
     for record in records:
-        digest.update(json.dumps([record.messages, record.text]).encode())
+        digest.update(_record_bytes(record))
         digest.update(b"\n")
     return digest.hexdigest()[:20]
 
 
 def record_key(record: TrainingRecord) -> str:
-    """A hash of one record's content (its turns or its text, not the line it was read from)."""
-    return hashlib.sha256(json.dumps([record.messages, record.text]).encode()).hexdigest()[:20]
+    """A hash of one record's content."""
+    return hashlib.sha256(_record_bytes(record)).hexdigest()[:20]
 
 
 def samples_hash(samples: Sequence[TrainingSample]) -> str:
