@@ -405,7 +405,11 @@ def build_speculator(target: str | Path | Target = DEFAULT_TARGET, method: str =
     checked = check_options(method, drafter_options)
     if isinstance(dtype, str) and dtype != "auto" and dtype not in DTYPES:
         raise SpeculaError(f"unknown dtype '{dtype}'; choose one of auto, {', '.join(DTYPES)}")
-    fmt = resolve_weights(weights)  # an unknown format fails before anything loads
+    target_name = target.name if isinstance(target, Target) else model_name(target)
+    resolve_weights(weights)  # an unknown format fails before anything loads
+    measured = None if profile is False or weights != "auto" else load_profile(
+        target_name, None if profile is True else profile)
+    fmt = resolve_weights(weights, measured, device)  # auto: the format calibration chose (float32 if none)
     if isinstance(target, Target) and weights != "auto" and fmt != target.weights:
         raise SpeculaError(f"the target was loaded with {target.weights} weights; load it again to use {weights}")
     if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2):
@@ -413,7 +417,6 @@ def build_speculator(target: str | Path | Target = DEFAULT_TARGET, method: str =
     # A loaded target (bench shares one across methods) remembers the directory it came from.
     target_path = getattr(target, "path", target.name) if isinstance(target, Target) else target
     draft_dir = resolve_draft(method, target_path, draft)
-    target_name = target.name if isinstance(target, Target) else model_name(target)
     merged = {**profile_options(method, profile, target_name, str(device)), **checked}
     get_method(method).check(merged)
     if not isinstance(target, Target):

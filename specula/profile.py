@@ -8,7 +8,11 @@ it recommends:
 
     {"target": "pycoder-25m", "device": "cpu", "dtype": "bfloat16", "threads": 2,
      "target_step_s": 0.004, "verify_cost_s": {"1": 0.004, "2": 0.0045, ...},
-     "methods": {"sps": {"alpha": 0.71, "c": 0.18, ..., "defaults": {"num_tokens": 4}}, ...}}
+     "methods": {"sps": {"alpha": 0.71, "c": 0.18, ..., "defaults": {"num_tokens": 4}}, ...},
+     "auto_weights": {"choice": "int4", "method": "sps", "formats": {"float32": {"step_s": 0.078, ...}, ...}}}
+
+``auto_weights`` is what ``--weights auto`` means for this target on this device type
+(`specula.weights.resolve_weights`): calibrate's measured choice of weight format.
 
 `profile_defaults(profile, method, device)` returns the recommended drafter
 options of one method (empty when the profile is for another device type), to
@@ -65,6 +69,8 @@ def _malformed(profile) -> str:
     for key in ("target", "device", "dtype"):
         if key in profile and not isinstance(profile[key], str):
             return f"'{key}' is not a string"
+    if not isinstance(profile.get("auto_weights", {}), dict):
+        return "'auto_weights' is not an object"
     methods = profile.get("methods", {})
     if not isinstance(methods, dict):
         return "'methods' is not an object"
@@ -108,6 +114,11 @@ def save_profile(profile: dict, path: str | Path) -> Path:
             old.get("weights", "float32") == profile.get("weights", "float32"))
         if same_machine and isinstance(old.get("methods"), dict):
             merged["methods"] = {**old["methods"], **profile.get("methods", {})}
+        # The choice of format is made across formats: a later calibration in the chosen one keeps it.
+        same_device = isinstance(old, dict) and all(
+            old.get(k) == profile.get(k) for k in ("target", "device", "threads"))
+        if same_device and "auto_weights" not in merged and isinstance(old.get("auto_weights"), dict):
+            merged["auto_weights"] = old["auto_weights"]
     merged.pop("path", None)
     merged["version"] = PROFILE_VERSION
     file.parent.mkdir(parents=True, exist_ok=True)

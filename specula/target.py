@@ -28,6 +28,7 @@ import torch
 from specula.chat import end_of_turn_ids
 from specula.errors import SpeculaError
 from specula.model_source import gguf_source, model_name, resolve_model
+from specula.profile import load_profile
 from specula.readers import check_fields, check_safetensors, expect_object, open_safetensors
 from specula.static_cache import StaticKVCache, block_attention_mask, decoder_layer_step, rotary_function
 from specula.streamed_load import load_converted
@@ -235,7 +236,8 @@ class Target:
         gguf_blocks: when the target is a GGUF file with Q4_0/Q4_1 tensors and ``weights`` is int4, use the
         file's own blocks rather than requantizing their dequantized values.
         """
-        weights = resolve_weights(weights)  # an unknown format fails before the model loads
+        # An unknown format fails before the model loads; auto is the hardware profile's measured choice.
+        weights = resolve_weights(weights, load_profile(model_name(path)) if weights == "auto" else None, device)
         source = gguf_source(path) if gguf_blocks and weights == "int4" else None
         model, tokenizer, report = load_converted_lm(path, dtype, device, role, weights, source)
         loaded = cls(model, tokenizer, max_length, name=model_name(path))

@@ -17,9 +17,11 @@ int4). A tied head then stops sharing its weight with the embedding, which stays
   model was converted from a GGUF file whose tensors are Q4_0/Q4_1 blocks, ``gguf_file`` carries
   those blocks into the kernel's groups unchanged (`specula.gguf_blocks`), so the int4 model is the
   file's own model rather than a requantization of it.
-- ``auto``: float32 for now. Which format is fastest while staying lossless is a property of the
-  machine; `specula calibrate` is meant to measure it and record it in the hardware profile, and
-  ``auto`` will then read it from there.
+- ``auto``: the format `specula calibrate` chose for this target on this device type and recorded in
+  its hardware profile (``auto_weights``): the fastest one-token step among the formats whose greedy
+  output matched vanilla's with no real divergence (`specula.bench.calibrate.choose_weights`). Which
+  format wins is a property of the machine (on an AVX2 CPU without AVX-512 int4 beats float32 by 2.4x,
+  on a GPU bfloat16 may win), so there is no fixed answer: without a profile, ``auto`` is float32.
 
 Losslessness is relative to the target *with these weights*: every method decodes exactly what
 vanilla decoding of the same quantized target decodes (up to floating-point near-ties between a
@@ -46,16 +48,30 @@ WEIGHT_FORMATS = ("auto", "float32", "bfloat16", "int8", "int4")
 # torch's int8/int4 CPU kernels are vectorized only for bfloat16 on AVX2 CPUs (10x slower in float32, see
 # specula.quantized_linear); the CUDA int4 kernel takes nothing else.
 KERNEL_DTYPE = torch.bfloat16
-AUTO_FORMAT = "float32"  # until a calibrated profile says otherwise
+AUTO_FORMAT = "float32"  # what auto means until `specula calibrate` has chosen on this machine
 LAYER_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 
-def resolve_weights(fmt: str) -> str:
-    """The concrete format ``fmt`` stands for (``auto`` → `AUTO_FORMAT`), or a SpeculaError for an unknown one."""
+def resolve_weights(fmt: str, profile: dict | None = None, device: str | torch.device = "cpu") -> str:
+    """The concrete format ``fmt`` stands for, or a SpeculaError for an unknown one.
+
+    ``auto`` is the format `specula calibrate` recorded in ``profile`` (the target's hardware profile,
+    `specula.profile.load_profile`) for ``device``'s type, else `AUTO_FORMAT`.
+    """
     if fmt not in WEIGHT_FORMATS:
         raise SpeculaError(f"unknown weights format {fmt!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
-    return AUTO_FORMAT if fmt == "auto" else fmt
+    if fmt != "auto":
+        return fmt
+    return calibrated_weights(profile, device) or AUTO_FORMAT
+
+
+def calibrated_weights(profile: dict | None, device: str | torch.device = "cpu") -> str | None:
+    """The format calibration chose in ``profile`` for this device type, or None if it has not chosen one."""
+    if not profile or str(profile.get("device", "cpu")).split(":")[0] != torch.device(device).type:
+        return None
+    choice = (profile.get("auto_weights") or {}).get("choice")
+    return choice if choice in WEIGHT_FORMATS[1:] else None
 
 
 @dataclass

@@ -507,6 +507,56 @@ def test_calibrate_records_the_weight_format_and_keeps_formats_apart(tmp_path, s
     assert profile["weights"] == "float32" and set(profile["methods"]) == {"sps"}  # int8's pld not merged in
 
 
+def test_calibrate_with_auto_weights_records_the_fastest_lossless_format(tmp_path, story_questions, capsys):
+    out = tmp_path / "profile.json"
+    code = run_command("calibrate", "--target", STORIES, "--method", "pld", "--data", story_questions,
+                       "--prompts", 1, "--max-new-tokens", 8, "--repeats", 1, "--threads", 1, "--out", out)
+    assert code == 0
+    choice = load_profile("stories260k", out)["auto_weights"]
+    measured = choice["formats"]
+    assert set(measured) == {"float32", "bfloat16", "int8", "int4"}
+    lossless = {fmt: m["step_s"] for fmt, m in measured.items() if m["available"] and m["real"] == 0}
+    assert choice["choice"] == min(lossless, key=lossless.get)
+    assert load_profile("stories260k", out)["weights"] == choice["choice"]  # the method is calibrated in it
+    assert f"--weights auto means {choice['choice']}" in capsys.readouterr().out
+
+
+def test_a_format_with_a_real_divergence_is_never_chosen(tmp_path, story_questions, monkeypatch):
+    import specula.bench.calibrate as calibration
+    import specula.certify as certify
+    from specula.divergence import REAL, Divergence
+
+    steps = {"float32": 4e-3, "bfloat16": 3e-3, "int8": 2e-3, "int4": 1e-3}  # int4 the fastest
+    monkeypatch.setattr(calibration, "measure_verify_curve",
+                        lambda target, prefix, sizes, repeats: {1: steps[target.weights]})
+    honest = certify.check_greedy
+
+    def int4_diverges(speculator, vanilla, prompts, max_new_tokens):
+        result = honest(speculator, vanilla, prompts, max_new_tokens)
+        if speculator.target.weights == "int4":  # a planted acceptance bug, only in this format
+            result.divergences.append((0, Divergence(3, 1, 2, 5.0, 5.0, 1e-3, REAL)))
+        return result
+
+    monkeypatch.setattr(certify, "check_greedy", int4_diverges)
+    opts = calibration.CalibrationOptions(target=STORIES, method="pld", prompts=["Once upon a time"],
+                                          max_new_tokens=8, repeats=1)
+    choice = calibration.choose_weights(opts)
+    assert choice["formats"]["int4"]["real"] == 1 and choice["choice"] == "int8"
+
+
+def test_weights_auto_means_the_format_calibration_chose(tmp_path, monkeypatch):
+    import specula
+
+    monkeypatch.setenv("SPECULA_CACHE_DIR", str(tmp_path))
+    file = tmp_path / "profile-stories260k.json"
+    save_profile({"target": "stories260k", "device": "cpu", "auto_weights": {"choice": "int8"}}, file)
+    assert specula.load(STORIES, method="pld").target.weights == "int8"
+    assert specula.load(STORIES, method="pld", weights="float32").target.weights == "float32"
+    assert specula.load(STORIES, method="pld", profile=False).target.weights == "float32"  # no profile: float32
+    save_profile({"target": "stories260k", "device": "cuda", "auto_weights": {"choice": "int8"}}, file)
+    assert specula.load(STORIES, method="pld").target.weights == "float32"  # measured on another device type
+
+
 def test_calibrate_on_stories260k(tmp_path, story_questions, capsys):
     out = tmp_path / "profile.json"
     code = run_command("calibrate", "--target", STORIES, "--method", "sps", "--draft", LLAMA2XS,

@@ -1,5 +1,9 @@
 """`specula calibrate`: measure α, c and the verification cost on this machine, predict, and save a profile.
 
+0. With ``--weights auto`` (the default): which weight format ``auto`` should mean here. Every format
+   the device runs is timed (one-token step) and checked (the method against vanilla at T = 0, each
+   divergence classified near-tie or real as `specula check` does); the fastest with no real
+   divergence is chosen, recorded in the profile (``auto_weights``) and calibrated below.
 1. The target's verification cost: time of one forward over n tokens after a
    real prompt, n = 1, 2, 4, ..., 128 (median of a few repeats).
 2. The method and vanilla decode a few prompts, interleaved. From the method's
@@ -17,6 +21,7 @@
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from dataclasses import dataclass
@@ -27,10 +32,12 @@ from specula.bench import theory
 from specula.bench.metrics import depth_counts, pooled_alpha
 from specula.bench.runners import RecordingDrafter, accepted_path
 from specula.decoding import generate_tokens
+from specula.divergence import NEAR_TIE, REAL
 from specula.drafters.vanilla import VanillaDrafter
 from specula.errors import SpeculaError
 from specula.methods import build_speculator, get_method, resolve_draft
 from specula.sampling import SamplingParams
+from specula.weights import WEIGHT_FORMATS, check_available, resolve_weights, trim_heap
 
 VERIFY_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -60,26 +67,28 @@ def _sync(device: torch.device) -> None:
 
 
 def measure_verify_curve(target, prefix: list[int], sizes=VERIFY_SIZES, repeats: int = 5) -> dict[int, float]:
-    """{n: median seconds of one target forward over n tokens after ``prefix``}; sizes that do not fit are skipped."""
+    """{n: median seconds of one target forward over n tokens after ``prefix``}; sizes that do not fit are skipped.
+
+    The sizes are timed in interleaved rounds (every size once per round, the first round a warm-up), so a
+    slow stretch of a shared or virtual machine slows every size alike instead of one: on this project's
+    2-core VM one-token steps of the same model vary by 20 % from minute to minute.
+    """
     device = target.device
     target.prefill(torch.tensor(prefix, dtype=torch.long, device=device))
-    curve = {}
-    for n in sizes:
-        if len(prefix) + n > target.max_length:
-            break
-        tokens = torch.tensor([prefix[i % len(prefix)] for i in range(n)], dtype=torch.long, device=device)
-        mask = torch.ones(n, n, dtype=torch.bool, device=device).tril()
-        times = []
-        for r in range(repeats + 1):
+    sizes = [n for n in sizes if len(prefix) + n <= target.max_length]
+    times = {n: [] for n in sizes}
+    for r in range(repeats + 1):
+        for n in sizes:
+            tokens = torch.tensor([prefix[i % len(prefix)] for i in range(n)], dtype=torch.long, device=device)
+            mask = torch.ones(n, n, dtype=torch.bool, device=device).tril()
             _sync(device)
             start = time.perf_counter()
             target.forward(tokens, mask)
             _sync(device)
-            if r:  # the first is a warm-up
-                times.append(time.perf_counter() - start)
+            if r:  # the first round is a warm-up
+                times[n].append(time.perf_counter() - start)
             target.commit([])  # keep nothing: the prefix stays as it was
-        curve[n] = statistics.median(times)
-    return curve
+    return {n: statistics.median(t) for n, t in times.items()}
 
 
 def tree_statistics(cycles) -> dict:
@@ -124,28 +133,83 @@ def recommended_options(method: str, dynamic: bool, best_gamma: int | None, best
     return {}
 
 
+def _build(opts: CalibrationOptions, weights: str):
+    # The options are measured as given: an existing profile must not change what is being calibrated.
+    return build_speculator(opts.target, opts.method, opts.draft, dtype=opts.dtype, device=opts.device,
+                            profile=False, weights=weights, **(opts.options or {}))
+
+
+def _prompt_ids(opts: CalibrationOptions, target) -> list[list[int]]:
+    budget = max(1, min(opts.max_prompt_tokens, target.max_length - opts.max_new_tokens - max(VERIFY_SIZES) - 1))
+    prompts = [ids for text in opts.prompts if (ids := target.tokenizer(text, verbose=False).input_ids[-budget:])]
+    if not prompts:
+        raise SpeculaError("the calibration prompts are empty after tokenization")
+    return prompts
+
+
+def choose_weights(opts: CalibrationOptions, log=lambda message: None) -> dict:
+    """What ``--weights auto`` should mean on this machine: the fastest format that stays lossless.
+
+    For every concrete format the device runs (`specula.weights.check_available`): the target's one-token
+    step after the first prompt (median of ``repeats``), and the method against vanilla at T = 0 on the
+    calibration prompts, every divergence classified as `specula check` does (`certify.check_greedy`). The
+    choice is the fastest step among the formats with no real divergence (near-ties are floating-point
+    rounding of the same model). Returns {"choice", "method", "formats": {format: measurements}}.
+    """
+    from specula.api import Speculator
+    from specula.certify import check_greedy
+
+    formats = {}
+    for fmt in WEIGHT_FORMATS[1:]:
+        try:
+            check_available(fmt, opts.device)
+        except SpeculaError as err:
+            formats[fmt] = {"available": False, "reason": str(err)}
+            log(f"weights {fmt}: not available ({err})")
+            continue
+        log(f"weights {fmt}: measuring the step and checking {opts.method} against vanilla at T=0")
+        speculator = _build(opts, fmt)
+        target = speculator.target
+        prompts = _prompt_ids(opts, target)
+        step = measure_verify_curve(target, prompts[0], (1,), opts.repeats)[1]
+        vanilla = Speculator(target, "vanilla", VanillaDrafter())
+        greedy = check_greedy(speculator, vanilla, [torch.tensor(p, device=target.device) for p in prompts],
+                              opts.max_new_tokens)
+        formats[fmt] = {"available": True, "step_s": step, "prompts": greedy.prompts,
+                        "identical": greedy.identical, "near_ties": greedy.count(NEAR_TIE),
+                        "real": greedy.count(REAL), "relative_tolerance": greedy.relative_tolerance}
+        log(f"weights {fmt}: step {step * 1e3:.1f} ms, {greedy.identical}/{greedy.prompts} identical, "
+            f"{greedy.count(NEAR_TIE)} near-ties, {greedy.count(REAL)} real divergences")
+        del speculator, target, vanilla
+        gc.collect()
+        trim_heap()
+    lossless = {fmt: m["step_s"] for fmt, m in formats.items() if m["available"] and m["real"] == 0}
+    if not lossless:
+        raise SpeculaError(f"no weight format decoded {opts.method} losslessly on this machine: "
+                           + "; ".join(f"{f}: {m.get('real', 0)} real divergences" for f, m in formats.items()))
+    return {"choice": min(lossless, key=lossless.get), "method": opts.method, "formats": formats,
+            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+
 def calibrate(opts: CalibrationOptions, log=lambda message: None) -> dict:
-    """Measure and predict; returns the profile (without writing it)."""
+    """Measure and predict; returns the profile (without writing it).
+
+    With ``weights`` auto the weight format is chosen first (`choose_weights`) and the method is then
+    calibrated in it; the profile records the choice under ``auto_weights``.
+    """
     if not opts.prompts:
         raise SpeculaError("calibration needs at least one prompt")
     params = SamplingParams(opts.temperature)
+    resolve_weights(opts.weights)  # an unknown format fails before anything loads
     if opts.threads:
         torch.set_num_threads(opts.threads)
-    # The options are measured as given: an existing profile must not change what is being calibrated.
-    speculator = build_speculator(opts.target, opts.method, opts.draft, dtype=opts.dtype, device=opts.device,
-                                  profile=False, weights=opts.weights, **(opts.options or {}))
+    auto_weights = choose_weights(opts, log) if opts.weights == "auto" else None
+    speculator = _build(opts, auto_weights["choice"] if auto_weights else opts.weights)
     target, inner = speculator.target, speculator.drafter
     draft = resolve_draft(opts.method, opts.target, opts.draft)
     drafter = RecordingDrafter(inner)
     vanilla = VanillaDrafter()
-    budget = max(1, min(opts.max_prompt_tokens, target.max_length - opts.max_new_tokens - max(VERIFY_SIZES) - 1))
-    prompts = []
-    for text in opts.prompts:
-        ids = target.tokenizer(text, verbose=False).input_ids[-budget:]
-        if ids:
-            prompts.append(ids)
-    if not prompts:
-        raise SpeculaError("the calibration prompts are empty after tokenization")
+    prompts = _prompt_ids(opts, target)
 
     log(f"measuring verification cost of {target.name} for {', '.join(map(str, VERIFY_SIZES))} tokens")
     curve = measure_verify_curve(target, prompts[0], VERIFY_SIZES, opts.repeats)
@@ -215,6 +279,7 @@ def calibrate(opts: CalibrationOptions, log=lambda message: None) -> dict:
         "torch": torch.__version__, "target_step_s": step,
         "verify_cost_s": {str(n): t for n, t in curve.items()},
         "methods": {opts.method: entry},
+        **({"auto_weights": auto_weights} if auto_weights else {}),
     }
 
 
@@ -227,7 +292,16 @@ def format_report(profile: dict, method: str) -> str:
     def f(value, fmt=".2f"):
         return "–" if value is None else f"{value:{fmt}}"
 
-    lines = [
+    lines = []
+    choice = profile.get("auto_weights")
+    if choice:
+        lines += ["weight formats (one-token step; the method against vanilla at T=0):"]
+        for fmt, m in choice["formats"].items():
+            lines.append(f"  {fmt}: " + (f"{m['step_s'] * 1e3:.1f} ms, {m['identical']}/{m['prompts']} identical, "
+                                         f"{m['near_ties']} near-ties, {m['real']} real divergences"
+                                         if m["available"] else f"not available ({m['reason']})"))
+        lines += [f"--weights auto means {choice['choice']} for this target on this machine", ""]
+    lines += [
         f"target {profile['target']} ({profile['dtype']}, {profile.get('weights', 'float32')} weights, "
         f"{profile['device']}, {profile['threads']} threads): "
         f"one target step {step * 1e3:.2f} ms",

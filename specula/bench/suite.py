@@ -40,6 +40,7 @@ from specula.bench.questions import Question
 from specula.errors import SpeculaError
 from specula.outputs import atomic_write_text
 from specula.sampling import SamplingParams
+from specula.weights import resolve_weights
 
 RESULTS_VERSION = 1
 # Settings that must match for a resumed run to be comparable with what is already in results.json.
@@ -254,7 +255,9 @@ def _run_bench(settings: BenchSettings, resources: contextlib.ExitStack) -> dict
     previous = read_results(out) if out.is_dir() else None
 
     rss_before = rss_mb()
-    target = Target.load(settings.target, dtype=settings.dtype, device=settings.device, weights=settings.weights)
+    # auto: the format calibration chose in the profile this run uses (none with --no-profile: float32).
+    weights = resolve_weights(settings.weights, settings.profile, settings.device)
+    target = Target.load(settings.target, dtype=settings.dtype, device=settings.device, weights=weights)
     target_rss = rss_mb() - rss_before
     dtype_name = str(target.dtype).removeprefix("torch.")
     runners, load_rss = {}, {}
