@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -200,6 +201,23 @@ def quantize_linear_weights(model: nn.Module, fmt: str, lm_head: bool = False,
     if converter.report.converted:
         del linear, replacement  # the last replaced layer would keep the file mapping alive
         _release_loaded_memory(model)
+    return converter.report
+
+
+def quantize_every_linear(module: nn.Module, fmt: str, compute_dtype: torch.dtype = KERNEL_DTYPE) -> WeightsReport:
+    """Replace every `nn.Linear` inside ``module`` (in place) by a ``fmt`` module; for draft heads.
+
+    A draft head's numbers only decide what is proposed, never what is output (the target verifies every
+    token), so its format is a matter of speed alone: drafting follows the target's format.
+    """
+    fmt = resolve_weights(fmt)
+    if fmt == "float32":
+        return WeightsReport(fmt)
+    device = next(itertools.chain(module.parameters(), module.buffers())).device
+    converter = LinearConverter(fmt, None, device, compute_dtype=compute_dtype)
+    for name, linear in [(n, m) for n, m in module.named_modules() if isinstance(m, nn.Linear)]:
+        parent, _, attribute = name.rpartition(".")
+        setattr(module.get_submodule(parent) if parent else module, attribute, converter.convert(name, linear))
     return converter.report
 
 

@@ -29,6 +29,7 @@ from specula.target import Target
 from specula.weights import check_available, quantize_linear_weights
 
 EAGLE_HEAD = Path(__file__).resolve().parent / "data" / "eagle-stories260k"
+EAGLE3_HEAD = Path(__file__).resolve().parent / "data" / "eagle3-stories260k"
 NEW_TOKENS = 48
 Q = gguf.GGMLQuantizationType
 # Shapes the kernels take as they are, and ones they need padded (N not a multiple of 16, K not of 32).
@@ -264,7 +265,7 @@ def test_vanilla_equals_transformers_generate_with_the_same_weights(quantized_st
 
 
 @pytest.mark.parametrize("method, options", [("pld", {"num_tokens": 8}), ("sps", {"draft": LLAMA2XS}),
-                                             ("eagle2", {"draft": EAGLE_HEAD})])
+                                             ("eagle2", {"draft": EAGLE_HEAD}), ("eagle3", {"draft": EAGLE3_HEAD})])
 def test_every_method_decodes_what_vanilla_decodes_with_the_same_weights(quantized_stories, method, options):
     fmt, vanilla, outputs = quantized_stories
     speculator = specula.load(vanilla.target, method=method, **options)
@@ -277,6 +278,16 @@ def test_every_method_decodes_what_vanilla_decodes_with_the_same_weights(quantiz
 
     assert_equal_or_near_ties(vanilla, outputs, decode)
     assert sum(accepted) > 0, f"{method} never accepted a draft token in {fmt}, so the test proved nothing"
+
+
+@pytest.mark.parametrize("method, head", [("eagle2", EAGLE_HEAD), ("eagle3", EAGLE3_HEAD),
+                                          ("medusa", Path(__file__).resolve().parents[1] / "models" /
+                                           "medusa-stories260k")])
+def test_a_draft_head_drafts_in_the_targets_weight_format(int4_stories, method, head):
+    drafter = specula.load(int4_stories.target, method=method, draft=head).drafter
+    module = drafter.heads if method == "medusa" else drafter.head
+    linears = [m for m in module.modules() if isinstance(m, (torch.nn.Linear, Int4Linear))]
+    assert linears and all(isinstance(m, Int4Linear) for m in linears)
 
 
 def test_divergence_helper_tells_near_ties_from_real_differences():

@@ -34,6 +34,7 @@ from specula.heads.base import DraftHead
 from specula.sampling import SamplingParams, probabilities
 from specula.target import ForwardOutput, Target
 from specula.tree import DraftTree
+from specula.weights import quantize_every_linear
 
 # A small static tree for CPUs, where verifying a node costs far more than on a GPU (see README).
 DEFAULT_CHOICES = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0], [0, 0, 0, 0, 0]]
@@ -78,6 +79,8 @@ class EagleDrafter:
         self.name = name or ("eagle2" if dynamic else "eagle")
         self.target = target
         self.head = head.to(device=target.device, dtype=target.dtype).attach(target)
+        # Drafting follows the target's weight format: the head's numbers only change what is proposed.
+        quantize_every_linear(self.head, target.weights)
         self.features = head.feature_request()
         self.embed = target.model.get_input_embeddings()
         self.dynamic = dynamic

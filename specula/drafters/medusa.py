@@ -36,6 +36,7 @@ from specula.heads.medusa_head import MedusaHeads
 from specula.sampling import SamplingParams
 from specula.target import FeatureRequest, ForwardOutput, Target
 from specula.tree import DraftTree
+from specula.weights import quantize_every_linear
 
 CHOICES_FILE = "medusa_choices.json"
 # A 15-candidate tree for CPUs, where every verified node costs a visible share of a target forward:
@@ -137,6 +138,7 @@ class MedusaDrafter:
         self.name = name
         self.features = FeatureRequest(final_hidden=True)
         self.heads = heads.to(device=target.device, dtype=target.dtype).eval()
+        quantize_every_linear(self.heads, target.weights)  # drafting follows the target's weight format
         if choices is None:
             # The default tree is cut to the heads at hand; a tree given explicitly must fit them.
             choices = [p for p in DEFAULT_CHOICES if len(p) <= heads.num_heads]

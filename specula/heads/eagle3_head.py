@@ -135,7 +135,7 @@ class Eagle3Head(nn.Module):
 
     def target_vocab_ids(self) -> torch.Tensor:
         """int64 [Vd]: the target id of every draft id, in draft order."""
-        return self.draft_to_target(torch.arange(self.draft_vocab_size, device=self.lm_head.weight.device))
+        return self.draft_to_target(torch.arange(self.draft_vocab_size, device=self.norm.weight.device))
 
     # ---------------------------------------------------------------- the layer
 
@@ -198,7 +198,7 @@ class Eagle3Head(nn.Module):
 
     def new_cache(self, capacity: int) -> StaticKVCache:
         attn = self.midlayer.self_attn
-        param = self.fc.weight
+        param = self.norm.weight  # the linears may be in a quantized format (specula.weights)
         kv_heads = attn.k_proj.out_features // attn.head_dim
         return StaticKVCache(1, kv_heads, attn.head_dim, capacity, param.dtype, param.device)
 

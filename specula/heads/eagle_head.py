@@ -92,7 +92,7 @@ class EagleHead(nn.Module):
 
     def new_cache(self, capacity: int) -> StaticKVCache:
         attn = self.layers[0].self_attn
-        param = self.fc.weight
+        param = self.layers[0].post_attention_layernorm.weight  # the linears may be quantized (specula.weights)
         kv_heads = attn.k_proj.out_features // attn.head_dim
         return StaticKVCache(len(self.layers), kv_heads, attn.head_dim, capacity, param.dtype, param.device)
 
