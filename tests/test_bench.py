@@ -18,6 +18,7 @@ from specula.bench.questions import load_questions, read_questions, select
 from specula.bench.runners import analyse_nodes
 from specula.bench.suite import run_question as _original_run_question
 from specula.cli import build_parser
+from specula.cli.bench import bench_settings
 from specula.decoding import node_records
 from specula.errors import SpeculaError
 from specula.profile import load_profile, profile_defaults, save_profile
@@ -553,6 +554,9 @@ def test_weights_auto_means_the_format_calibration_chose(tmp_path, monkeypatch):
     assert specula.load(STORIES, method="pld").target.weights == "int8"
     assert specula.load(STORIES, method="pld", weights="float32").target.weights == "float32"
     assert specula.load(STORIES, method="pld", profile=False).target.weights == "float32"  # no profile: float32
+    settings = bench_settings(build_parser().parse_args(
+        ["bench", "--target", str(STORIES), "--methods", "vanilla", "--out", str(tmp_path / "out")]))
+    assert settings.weights == "int8" and "--weights int8" in settings.command  # the report spells it out
     save_profile({"target": "stories260k", "device": "cuda", "auto_weights": {"choice": "int8"}}, file)
     assert specula.load(STORIES, method="pld").target.weights == "float32"  # measured on another device type
 

@@ -143,6 +143,7 @@ def bench_settings(args: argparse.Namespace):
     if not args.no_profile:
         profile = load_profile(model_name(target), args.profile)
     device = str(pick("device", "cpu"))
+    weights = resolve_weights(weights, profile, device)  # auto as the profile chose: spelled out in the report
     labels = _split(pick("methods"))
     specs = method_specs(labels, config["methods"], args.option, all_defaults(profile, device))
     llama_server = None
