@@ -242,7 +242,7 @@ def run_command(*argv) -> int:
     return args.handler(args)
 
 
-def test_bench_without_a_binary_fails_before_loading_anything(tmp_path, monkeypatch):
+def test_bench_with_only_llamacpp_rows_and_no_binary_fails_before_loading_anything(tmp_path, monkeypatch):
     for name in llama_server.ENV_VARS:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
@@ -250,9 +250,34 @@ def test_bench_without_a_binary_fails_before_loading_anything(tmp_path, monkeypa
     questions.write_text(json.dumps({"question_id": "a", "category": "c", "prompt": "Once upon a time"}) + "\n")
     out = tmp_path / "out"
     with pytest.raises(SpeculaError, match="llama-server was not found"):
-        run_command("bench", "--target", STORIES, "--methods", "vanilla,llamacpp", "--data", questions,
+        run_command("bench", "--target", STORIES, "--methods", "llamacpp", "--data", questions,
                     "--out", out, "--no-profile")
     assert not out.exists()
+
+
+def test_bench_skips_llamacpp_rows_with_one_line_when_no_binary_is_installed(tmp_path, monkeypatch, capsys):
+    from specula.cli.bench import bench_settings
+
+    for name in llama_server.ENV_VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(json.dumps({"question_id": "a", "category": "c", "prompt": "Once upon a time"}) + "\n")
+    args = build_parser().parse_args(["bench", "--target", str(STORIES), "--methods", "vanilla,llamacpp",
+                                      "--data", str(questions), "--out", str(tmp_path / "out"), "--no-profile"])
+    settings = bench_settings(args)
+    assert [spec.label for spec in settings.methods] == ["vanilla"]
+    printed = capsys.readouterr().err.strip().splitlines()
+    assert len(printed) == 1 and printed[0].startswith("specula: skipping llamacpp: ")
+
+
+def test_bench_with_a_named_binary_that_is_missing_is_an_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECULA_LLAMA_SERVER", str(tmp_path / "nowhere" / "llama-server"))
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(json.dumps({"question_id": "a", "category": "c", "prompt": "Once upon a time"}) + "\n")
+    with pytest.raises(SpeculaError, match="no executable llama-server there"):
+        run_command("bench", "--target", STORIES, "--methods", "vanilla,llamacpp", "--data", questions,
+                    "--out", tmp_path / "out", "--no-profile")
 
 
 def test_config_names_the_binary_and_the_command_records_it(tmp_path, fake_binary):
