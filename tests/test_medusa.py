@@ -97,6 +97,46 @@ def test_round_trip_in_the_published_layout(tmp_path):
     assert sorted(f.name for f in (tmp_path / "pt").iterdir()) == ["config.json", "medusa_lm_head.safetensors"]
 
 
+def test_heads_sharing_the_lm_head_store_only_their_blocks_and_project_through_the_target(stories_target, tmp_path):
+    torch.manual_seed(2)
+    heads = MedusaHeads.for_target(stories_target, num_heads=2, num_layers=1, shared_lm_head=True)
+    h = torch.randn(3, stories_target.config.hidden_size)
+    lm_logits = stories_target.model.lm_head(h)
+    torch.testing.assert_close(heads(h), torch.stack([lm_logits, lm_logits]))  # fresh: blocks are the identity
+    for block in (heads.medusa_head[0][0], heads.medusa_head[1][0]):
+        torch.nn.init.normal_(block.linear.weight, std=0.1)
+    w1, b1 = heads.medusa_head[1][0].linear.weight, heads.medusa_head[1][0].linear.bias
+    torch.testing.assert_close(heads(h)[1], stories_target.model.lm_head(F.silu(h @ w1.T + b1) + h))
+    heads.save_pretrained(tmp_path / "shared")
+    from safetensors.torch import load_file
+
+    assert set(load_file(str(tmp_path / "shared" / "medusa_lm_head.safetensors"))) == {
+        "0.0.linear.weight", "0.0.linear.bias", "1.0.linear.weight", "1.0.linear.bias"}
+    assert json.loads((tmp_path / "shared" / "config.json").read_text())["medusa_shared_lm_head"] is True
+    loaded = MedusaHeads.from_pretrained(tmp_path / "shared")
+    with pytest.raises(RuntimeError, match="attach"):
+        loaded(h)  # the LM head is the target's: nothing to project through before attach
+    torch.testing.assert_close(loaded.attach(stories_target)(h), heads(h), rtol=0, atol=0)
+    assert medusa_speculator(stories_target, tmp_path / "shared").generate("Once upon a time", max_new_tokens=8)
+
+
+def test_shared_lm_head_training_keeps_the_target_frozen_and_greedy_output_exact(stories_target, stories_samples,
+                                                                                 tmp_path):
+    before = stories_target.model.lm_head.weight.clone()
+    config = TrainConfig(epochs=3, batch_size=4, lr=3e-2, warmup_steps=2, save_every=1000)
+    train_medusa(stories_target, stories_samples[:16], stories_samples[16:], tmp_path, config,
+                 MedusaTrainOptions(num_heads=2, shared_lm_head=True), log=lambda _: None)
+    assert torch.equal(stories_target.model.lm_head.weight, before)
+    history = json.loads((tmp_path / "training_history.json").read_text())
+    losses = [h["loss"] for h in history if "loss" in h]
+    assert losses[-1] < losses[0]
+    reference = specula.load(STORIES, method="vanilla", dtype="float32")
+    speculator = medusa_speculator(stories_target, tmp_path)
+    for prompt in STORY_PROMPTS[:3]:
+        assert speculator.generate(prompt, max_new_tokens=24).token_ids == reference.generate(
+            prompt, max_new_tokens=24).token_ids
+
+
 def test_published_checkpoint_with_a_wrong_head_count_loads(tmp_path):
     """Released Medusa configs say 2 heads for weights holding more: the tensors decide, as in the original."""
     torch.manual_seed(2)

@@ -157,6 +157,10 @@ def add_train_medusa_parser(trainers: argparse._SubParsersAction) -> None:
                    help="loss weight of head k is decay^(k-1) (default: %(default)s)")
     p.add_argument("--tree-nodes", type=positive_int, default=TREE_NODES,
                    help="candidates of the tree built from held-out accuracies (default: %(default)s)")
+    p.add_argument("--shared-lm-head", action="store_true",
+                   help="project through the target's frozen LM head instead of a trained copy per head: only "
+                        "the residual blocks are trained and stored (small files with a large vocabulary; "
+                        "published Medusa loaders do not read this layout)")
     p.set_defaults(handler=run_train_medusa)
     add_medusa_tree_parser(trainers)
 
@@ -164,11 +168,14 @@ def add_train_medusa_parser(trainers: argparse._SubParsersAction) -> None:
 def run_train_medusa(args: argparse.Namespace) -> int:
     if args.num_layers < 0:
         raise SpeculaError(f"--num-layers must be >= 0, got {args.num_layers}")
+    if args.shared_lm_head and args.num_layers < 1:
+        raise SpeculaError("--shared-lm-head needs --num-layers >= 1 (the blocks are all that is trained)")
     if not 0.0 < args.decay <= 1.0:
         raise SpeculaError(f"--decay must be in (0, 1], got {args.decay}")
     target, train_set, eval_set, config = training_inputs(args, FeatureRequest(final_hidden=True))
     options = MedusaTrainOptions(num_heads=args.num_heads, num_layers=args.num_layers, decay=args.decay,
-                                 tree_nodes=args.tree_nodes, base_model_name_or_path=str(args.target))
+                                 tree_nodes=args.tree_nodes, base_model_name_or_path=str(args.target),
+                                 shared_lm_head=args.shared_lm_head)
     train_medusa(target, train_set, eval_set, args.out, config, options, resume=args.resume,
                  log=lambda message: print(message, file=sys.stderr))
     print(f"Medusa heads written to {args.out}", file=sys.stderr)
@@ -204,7 +211,7 @@ def run_medusa_tree(args: argparse.Namespace) -> int:
         raise SpeculaError(f"data file not found: {args.data}")
     records = read_records(args.data)[: args.samples]
     target = Target.load(args.target, dtype=args.dtype, device=args.device)
-    heads = MedusaHeads.from_pretrained(args.draft, dtype=target.dtype, device=target.device)
+    heads = MedusaHeads.from_pretrained(args.draft, dtype=target.dtype, device=target.device).attach(target)
     check_heads_fit(target, heads)
     log = lambda message: print(message, file=sys.stderr)  # noqa: E731
     samples = prepare_samples(target, records, cache_dir=args.cache_dir, regenerate=not args.no_regenerate,

@@ -137,7 +137,7 @@ class MedusaDrafter:
         check_heads_fit(target, heads)
         self.name = name
         self.features = FeatureRequest(final_hidden=True)
-        self.heads = heads.to(device=target.device, dtype=target.dtype).eval()
+        self.heads = heads.to(device=target.device, dtype=target.dtype).eval().attach(target)
         quantize_every_linear(self.heads, target.weights)  # drafting follows the target's weight format
         if choices is None:
             # The default tree is cut to the heads at hand; a tree given explicitly must fit them.

@@ -9,6 +9,13 @@ next token t+1, i.e. token t+k+1:
 With one block this is the paper's softmax(W2 · (SiLU(W1 · h) + h)). Every block
 of every head has its own weights; W2_k is a bias-free H→V projection.
 
+Shared LM head (``shared_lm_head``, our extension): every W2_k is the target's own
+frozen LM head, read through `attach(target)` and never stored, so a head is its
+residual blocks only. With a large vocabulary this is what keeps heads small
+(SmolLM2: 49,152 × 576 per projection, 57 MB in bfloat16 per head, against 0.7 MB for
+its block); the config says so with ``medusa_shared_lm_head: true`` and the files
+hold only the block tensors. Published Medusa loaders do not know this layout.
+
 Checkpoints use the published Medusa layout: a directory with `config.json`
 (`medusa_num_heads`, `medusa_num_layers`, `base_model_name_or_path`, and here also
 `hidden_size` and `vocab_size`) and the state dict of the head list in
@@ -34,6 +41,7 @@ from __future__ import annotations
 
 import json
 import re
+import weakref
 from pathlib import Path
 
 import torch
@@ -64,31 +72,55 @@ class MedusaHeads(nn.Module):
     """K Medusa heads over hidden size H and vocabulary V; ``medusa_head[k]`` is head k + 1 of the paper."""
 
     def __init__(self, hidden_size: int, vocab_size: int, num_heads: int, num_layers: int = 1,
-                 base_model_name_or_path: str = ""):
+                 base_model_name_or_path: str = "", shared_lm_head: bool = False):
         super().__init__()
+        if shared_lm_head and num_layers < 1:
+            raise SpeculaError("Medusa heads that share the target's LM head need at least one block each")
         if min(hidden_size, vocab_size, num_heads) < 1 or num_layers < 0:
             raise SpeculaError(f"Medusa heads need hidden size, vocabulary and head count >= 1 and blocks >= 0, "
                                f"got {hidden_size}, {vocab_size}, {num_heads}, {num_layers}")
         self.hidden_size, self.vocab_size = hidden_size, vocab_size
         self.num_heads, self.num_layers = num_heads, num_layers
         self.base_model_name_or_path = base_model_name_or_path
+        self.shared_lm_head = shared_lm_head
+        projection = [] if shared_lm_head else [nn.Linear(hidden_size, vocab_size, bias=False)]
         self.medusa_head = nn.ModuleList(
-            nn.Sequential(*[ResBlock(hidden_size) for _ in range(num_layers)],
-                          nn.Linear(hidden_size, vocab_size, bias=False))
+            nn.Sequential(*[ResBlock(hidden_size) for _ in range(num_layers)], *projection)
             for _ in range(num_heads)
         )
 
     @classmethod
-    def for_target(cls, target, num_heads: int = 4, num_layers: int = 1, base_model_name_or_path: str = ""
-                   ) -> MedusaHeads:
+    def for_target(cls, target, num_heads: int = 4, num_layers: int = 1, base_model_name_or_path: str = "",
+                   shared_lm_head: bool = False) -> MedusaHeads:
         """Fresh heads for a `Target`, initialised as Medusa does: every vocabulary projection is a copy of
-        the target's LM head, and every block starts as the identity (zero weight and bias), so each head
-        first predicts what the LM head predicts and training only has to learn the shift."""
-        lm_head = target.model.get_output_embeddings().weight
-        heads = cls(int(lm_head.shape[1]), int(lm_head.shape[0]), num_heads, num_layers,
-                    base_model_name_or_path or getattr(target, "name", ""))
-        heads.init_from_lm_head(lm_head)
+        the target's LM head (or, with ``shared_lm_head``, the LM head itself), and every block starts as
+        the identity (zero weight and bias), so each head first predicts what the LM head predicts and
+        training only has to learn the shift."""
+        lm_head = target.model.get_output_embeddings()
+        vocab, hidden = target.vocab_size, target.config.hidden_size
+        heads = cls(hidden, vocab, num_heads, num_layers, base_model_name_or_path or getattr(target, "name", ""),
+                    shared_lm_head)
+        if shared_lm_head:
+            heads.zero_blocks()
+            return heads.attach(target)
+        heads.init_from_lm_head(lm_head.weight)
         return heads
+
+    def attach(self, target) -> MedusaHeads:
+        """With a shared LM head: read tokens through the target's (frozen) LM head, never stored or trained."""
+        if self.shared_lm_head:
+            # A weak reference, not a submodule: never saved, moved, trained or deep-copied with the heads.
+            object.__setattr__(self, "_lm_head", weakref.ref(target.model.get_output_embeddings()))
+        return self
+
+    @torch.no_grad()
+    def zero_blocks(self) -> None:
+        """Every residual block the identity (zero weight and bias)."""
+        for head in self.medusa_head:
+            for block in head:
+                if isinstance(block, ResBlock):
+                    block.linear.weight.zero_()
+                    block.linear.bias.zero_()
 
     @torch.no_grad()
     def init_from_lm_head(self, weight: torch.Tensor) -> None:
@@ -97,20 +129,26 @@ class MedusaHeads(nn.Module):
                                f"{self.hidden_size} and vocabulary {self.vocab_size}")
         for head in self.medusa_head:
             head[-1].weight.copy_(weight)
-            for block in list(head)[:-1]:
-                block.linear.weight.zero_()
-                block.linear.bias.zero_()
+        self.zero_blocks()
 
     def forward(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
         """Logits [K', .., V] of the first K' = ``num_heads`` (default all) heads from hidden states [.., H]."""
         heads = self.medusa_head if num_heads is None else self.medusa_head[:num_heads]
-        return torch.stack([head(hidden) for head in heads])
+        if not self.shared_lm_head:
+            return torch.stack([head(hidden) for head in heads])
+        lm_head = self.__dict__["_lm_head"]() if "_lm_head" in self.__dict__ else None
+        if lm_head is None:
+            raise RuntimeError("MedusaHeads.attach(target) must be called before heads sharing the LM head run")
+        # A quantized LM head (specula.weights) casts its input itself and has no float weight.
+        dtype = lm_head.weight.dtype if isinstance(lm_head, nn.Linear) else hidden.dtype
+        return torch.stack([lm_head(head(hidden).to(dtype)) for head in heads])
 
     @property
     def config(self) -> dict:
-        return {"medusa_num_heads": self.num_heads, "medusa_num_layers": self.num_layers,
-                "base_model_name_or_path": self.base_model_name_or_path, "hidden_size": self.hidden_size,
-                "vocab_size": self.vocab_size}
+        config = {"medusa_num_heads": self.num_heads, "medusa_num_layers": self.num_layers,
+                  "base_model_name_or_path": self.base_model_name_or_path, "hidden_size": self.hidden_size,
+                  "vocab_size": self.vocab_size}
+        return {**config, "medusa_shared_lm_head": True} if self.shared_lm_head else config
 
     # ---------------------------------------------------------------- checkpoints (published layout)
 
@@ -142,14 +180,21 @@ class MedusaHeads(nn.Module):
         if not directory.is_dir():
             raise SpeculaError(f"Medusa head directory not found: {directory}")
         config = _read_config(directory)
+        shared = config.get("medusa_shared_lm_head") is True
         state, source = _read_weights(directory)
-        heads = _layout(state, source)
-        num_heads, num_layers = len(heads), len(heads[0]) - 1
-        hidden, vocab = (int(n) for n in heads[0][-1]["weight"].shape[::-1])
+        heads = _layout(state, source, shared)
+        num_heads, num_layers = len(heads), len(heads[0]) - (0 if shared else 1)
+        if shared:
+            hidden, vocab = int(heads[0][0]["weight"].shape[1]), config.get("vocab_size")
+            if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1:
+                raise SpeculaError(f"Medusa config in {directory} shares the target's LM head but gives no "
+                                   f"vocab_size")
+        else:
+            hidden, vocab = (int(n) for n in heads[0][-1]["weight"].shape[::-1])
         for key, value in (("hidden_size", hidden), ("vocab_size", vocab)):
             if key in config and config[key] != value:
                 raise SpeculaError(f"{source} holds Medusa heads of {key} {value} but its config says {config[key]}")
-        model = cls(hidden, vocab, num_heads, num_layers, str(config.get("base_model_name_or_path", "")))
+        model = cls(hidden, vocab, num_heads, num_layers, str(config.get("base_model_name_or_path", "")), shared)
         expected = model.medusa_head.state_dict()
         for name, tensor in state.items():
             if tuple(tensor.shape) != tuple(expected[name].shape):
@@ -194,8 +239,9 @@ def _read_weights(directory: Path) -> tuple[dict[str, torch.Tensor], Path]:
     return state, file
 
 
-def _layout(state: dict[str, torch.Tensor], source: Path) -> list[list[dict[str, torch.Tensor]]]:
-    """heads[k][b] = tensors of block b of head k; the last entry of each head is its projection."""
+def _layout(state: dict[str, torch.Tensor], source: Path, shared: bool = False) -> list[list[dict[str, torch.Tensor]]]:
+    """heads[k][b] = tensors of block b of head k; the last entry of each head is its projection (none when
+    the heads share the target's LM head)."""
     if not state:
         raise SpeculaError(f"{source} holds no Medusa head tensors")
     unknown = sorted(k for k in state if not _KEY.match(k))
@@ -211,8 +257,12 @@ def _layout(state: dict[str, torch.Tensor], source: Path) -> list[list[dict[str,
         raise SpeculaError(f"{source} lacks the tensors of Medusa heads {missing} (it holds heads up to {count - 1})")
     heads = []
     for k in range(count):
-        layers = max(parts[k])  # the projection follows the blocks: index L of a head with L blocks
-        if set(parts[k][layers]) != {"weight"}:
+        layers = max(parts[k]) + shared  # the projection follows the blocks: index L of a head with L blocks
+        if shared:
+            if any(set(p) == {"weight"} for p in parts[k].values()):
+                raise SpeculaError(f"Medusa head {k} in {source} holds a vocabulary projection, but its config "
+                                   f"says the heads share the target's LM head")
+        elif set(parts[k][layers]) != {"weight"}:
             raise SpeculaError(f"Medusa head {k} in {source} has no vocabulary projection {k}.{layers}.weight "
                                f"after its blocks")
         blocks = []
@@ -221,7 +271,7 @@ def _layout(state: dict[str, torch.Tensor], source: Path) -> list[list[dict[str,
             if set(tensors) != {"weight", "bias"}:
                 raise SpeculaError(f"Medusa head {k} in {source} lacks {k}.{b}.linear.weight/bias")
             blocks.append(tensors)
-        heads.append([*blocks, parts[k][layers]])
+        heads.append(blocks if shared else [*blocks, parts[k][layers]])
     if len({len(h) for h in heads}) != 1:
         raise SpeculaError(f"Medusa heads in {source} have different numbers of blocks: "
                            f"{[len(h) - 1 for h in heads]}")

@@ -14,7 +14,9 @@ choice, so the hard labels are what the heads must guess at decoding time.
 Initialisation (Medusa's): every head's vocabulary projection starts as a copy
 of the target's LM head and every residual block as the identity, so each head
 starts out predicting the target's next token; the projection is trained (it is
-the head's own copy, the target's stays frozen). Everything else — batching,
+the head's own copy, the target's stays frozen). With ``shared_lm_head`` there is
+no copy: every head projects through the target's frozen LM head and only the
+blocks learn (the files then hold the blocks alone). Everything else — batching,
 Accelerate, checkpoints, exact resume — is `specula.training.loop.run_training`.
 
 Evaluation (each epoch, held-out samples): each head's top-1 and top-5 accuracy
@@ -138,6 +140,7 @@ class MedusaTrainOptions:
     tree_nodes: int = TREE_NODES
     tree_top_k: int = TREE_TOP_K
     base_model_name_or_path: str = ""  # recorded in config.json (default: the target's directory name)
+    shared_lm_head: bool = False  # heads read tokens through the target's frozen LM head (blocks only are trained)
 
 
 def train_medusa(target: Target, train_set, eval_set, out: Path, config: TrainConfig,
@@ -148,7 +151,8 @@ def train_medusa(target: Target, train_set, eval_set, out: Path, config: TrainCo
     if not 0.0 < options.decay <= 1.0:
         raise SpeculaError(f"the Medusa loss decay must be in (0, 1], got {options.decay}")
     torch.manual_seed(config.seed)
-    heads = MedusaHeads.for_target(target, options.num_heads, options.num_layers, options.base_model_name_or_path)
+    heads = MedusaHeads.for_target(target, options.num_heads, options.num_layers, options.base_model_name_or_path,
+                                   options.shared_lm_head)
     heads = heads.float().to(target.device)
     default_tree = [p for p in DEFAULT_CHOICES if len(p) <= options.num_heads]
 
