@@ -83,10 +83,10 @@ class MedusaHeads(nn.Module):
         self.num_heads, self.num_layers = num_heads, num_layers
         self.base_model_name_or_path = base_model_name_or_path
         self.shared_lm_head = shared_lm_head
-        projection = [] if shared_lm_head else [nn.Linear(hidden_size, vocab_size, bias=False)]
         self.medusa_head = nn.ModuleList(
-            nn.Sequential(*[ResBlock(hidden_size) for _ in range(num_layers)], *projection)
-            for _ in range(num_heads)
+            nn.Sequential(*[ResBlock(hidden_size) for _ in range(num_layers)],
+                          *([] if shared_lm_head else [nn.Linear(hidden_size, vocab_size, bias=False)]))
+            for _ in range(num_heads)  # every head its own projection (built anew per head)
         )
 
     @classmethod
