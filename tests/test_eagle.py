@@ -116,23 +116,25 @@ def test_dynamic_tree_keeps_the_most_valuable_connected_nodes(stories_target, tr
     tree = drafter.propose(context, max_depth=10, params=specula.SamplingParams(), generator=None)
     nodes = captured["nodes"]
     assert len(tree) == 13 and len(nodes) == 12
-    values = [n.value for n in nodes]
-    for i, node in enumerate(nodes):
+    values, parents, depths = nodes.values.tolist(), nodes.parents.tolist(), nodes.depths.tolist()
+    for i in range(len(nodes)):
         # Every kept node's ancestors are kept, and a parent is worth at least its child.
-        if node.parent >= 0:
-            assert nodes[node.parent].depth == node.depth - 1
-            assert values[node.parent] >= values[i]
-        assert tree.depths[i + 1] == node.depth
+        if parents[i] >= 0:
+            assert depths[parents[i]] == depths[i] - 1
+            assert values[parents[i]] >= values[i]
+        assert tree.depths[i + 1] == depths[i]
     mask = tree.ancestor_mask()
     for i in range(len(tree)):
         assert set(torch.nonzero(mask[i]).flatten().tolist()) == set(tree.path_to(i))
+    # The drafter's own ancestor matrix (which masks the head's attention) is the tree's, root left out.
+    assert torch.equal(nodes.ancestors, mask[1:, 1:])
     assert drafter.cache.length == len(context) - 1  # draft entries were discarded
     # Each node's confidence is the head's probability of its token given its parent: the products
     # along paths give back the node values (log of the path's confidence product).
-    for i, node in enumerate(nodes):
+    for i in range(len(nodes)):
         path = tree.path_to(i + 1)[1:]
         assert 0.0 < float(tree.confidences[i + 1]) <= 1.0
-        assert abs(torch.log(tree.confidences[path]).sum().item() - node.value) < 1e-4
+        assert abs(torch.log(tree.confidences[path]).sum().item() - values[i]) < 1e-4
 
 
 def test_dynamic_tree_rerank_matches_brute_force_selection(stories_target, trained_head_dir):
@@ -144,23 +146,23 @@ def test_dynamic_tree_rerank_matches_brute_force_selection(stories_target, train
     drafter.start(prompt, out)
     context = torch.cat([prompt, torch.tensor([int(out.logits[-1].argmax())])])
     everything = {}
-    import specula.drafters.eagle as eagle_module
+    from specula.drafters.eagle import _Nodes
 
-    original_subset = eagle_module._subset
+    original_subset = _Nodes.subset
 
     def spy(nodes, keep):
-        everything["all"] = list(nodes)
-        everything["keep"] = list(keep)
+        everything["values"], everything["depths"] = nodes.values.tolist(), nodes.depths.tolist()
+        everything["keep"] = keep.tolist()
         return original_subset(nodes, keep)
 
-    eagle_module._subset = spy
+    _Nodes.subset = spy
     try:
         drafter.propose(context, max_depth=10, params=specula.SamplingParams(), generator=None)
     finally:
-        eagle_module._subset = original_subset
-    pool = everything["all"]
-    assert len(pool) == 3 + 2 * 9  # top_k at depth 1, top_k * top_k at each later depth
-    best = sorted(range(len(pool)), key=lambda i: (-pool[i].value, pool[i].depth, i))[:7]
+        _Nodes.subset = original_subset
+    values, depths = everything["values"], everything["depths"]
+    assert len(values) == 3 + 2 * 9  # top_k at depth 1, top_k * top_k at each later depth
+    best = sorted(range(len(values)), key=lambda i: (-values[i], depths[i], i))[:7]
     assert sorted(everything["keep"]) == sorted(best)
 
 

@@ -24,7 +24,6 @@ the acceptor's multi-round rule keeps the output exactly target-distributed.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -52,13 +51,81 @@ EAGLE3_BUDGETS = {"cuda": {"total_tokens": 60, "depth": 8, "top_k": 10},
 
 
 @dataclass
-class _Node:
-    token: int
-    parent: int  # index among drafted nodes, -1 for a child of the root
-    depth: int
-    value: float  # log of the product of draft confidences on the path
-    slot: int = -1  # row of this node's pair in the head cache block, once fed
-    q: torch.Tensor | None = None  # the distribution the token was sampled from (None: chosen by rank)
+class _Nodes:
+    """Drafted nodes (the root excluded) as tensors, in creation order (parents before children).
+
+    tokens, parents (-1: child of the root), depths (1 for the root's children): int64 [N];
+    values: float32 [N], log of the product of draft confidences on the path;
+    ancestors: bool [N, N], row i marks i and its drafted ancestors;
+    q_index: int64 [N], row of ``q_rows`` each token was sampled from (sampling only).
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depths: torch.Tensor
+    values: torch.Tensor
+    ancestors: torch.Tensor
+    q_index: torch.Tensor
+    q_rows: list[torch.Tensor]
+
+    @classmethod
+    def empty(cls, device: torch.device) -> _Nodes:
+        long = torch.empty(0, dtype=torch.long, device=device)
+        return cls(long, long, long, torch.empty(0, device=device), torch.empty(0, 0, dtype=torch.bool, device=device),
+                   long, [])
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    def add(self, tokens: torch.Tensor, parents: torch.Tensor, values: torch.Tensor,
+            q: torch.Tensor | None, q_rows: torch.Tensor) -> torch.Tensor:
+        """Append children ``tokens`` [M] of ``parents`` [M] (-1: the root); q [R, V] and q_rows [M] say which
+        distribution each was sampled from. Returns the new nodes' indices [M]."""
+        n, m = len(self), tokens.shape[0]
+        device = tokens.device
+        is_child = parents >= 0
+        parent_depths = torch.where(is_child, self.depths[parents.clamp(min=0)] if n else 0, 0)
+        grown = torch.zeros(n + m, n + m, dtype=torch.bool, device=device)
+        grown[:n, :n] = self.ancestors
+        if n:
+            grown[n:, :n] = self.ancestors[parents.clamp(min=0)] & is_child[:, None]
+        grown[n:, n:] = torch.eye(m, dtype=torch.bool, device=device)
+        self.ancestors = grown
+        if q is not None:
+            offset = sum(rows.shape[0] for rows in self.q_rows)
+            self.q_rows.append(q)
+            self.q_index = torch.cat([self.q_index, q_rows + offset])
+        self.tokens = torch.cat([self.tokens, tokens])
+        self.parents = torch.cat([self.parents, parents])
+        self.depths = torch.cat([self.depths, parent_depths + 1])
+        self.values = torch.cat([self.values, values.float()])
+        return torch.arange(n, n + m, device=device)
+
+    def subset(self, keep: torch.Tensor) -> _Nodes:
+        """The nodes ``keep`` (every kept node's parent kept too) in (depth, creation) order, parents re-indexed."""
+        keep = keep.sort().values
+        keep = keep[torch.argsort(self.depths[keep], stable=True)]
+        new_index = torch.full((len(self),), -1, dtype=torch.long, device=keep.device)
+        new_index[keep] = torch.arange(keep.shape[0], device=keep.device)
+        parents = self.parents[keep]
+        parents = torch.where(parents >= 0, new_index[parents.clamp(min=0)], -1)
+        q_index = self.q_index[keep] if self.q_rows else self.q_index
+        return _Nodes(self.tokens[keep], parents, self.depths[keep], self.values[keep],
+                      self.ancestors[keep][:, keep], q_index, self.q_rows)
+
+    def as_tree(self, root: int) -> DraftTree:
+        """DraftTree with the root as node 0 and drafted node i as node i + 1 (one host transfer: the parents)."""
+        device = self.tokens.device
+        tokens = torch.cat([torch.tensor([root], dtype=torch.long, device=device), self.tokens])
+        draft_probs = None
+        if self.q_rows and len(self):
+            q = torch.cat(self.q_rows)[self.q_index]
+            draft_probs = torch.cat([torch.zeros_like(q[:1]), q])
+        # A node's value is the log of its path's confidence product: the step from its parent is its own.
+        parent_values = torch.where(self.parents >= 0, self.values[self.parents.clamp(min=0)], 0.0)
+        confidences = torch.cat([torch.ones(1), torch.exp(self.values - parent_values).cpu()])
+        parents = [-1] + (self.parents + 1).tolist()
+        return DraftTree(tokens, parents, draft_probs, confidences)
 
 
 class EagleDrafter:
@@ -89,6 +156,7 @@ class EagleDrafter:
         self.depth = depth or budget["depth"]
         self.top_k = top_k or budget["top_k"]
         self.choices = sorted(choices or DEFAULT_CHOICES, key=lambda path: (len(path), path))
+        self._plans: dict[int, list[dict]] = {}  # static tree growth per depth (`_static_plan`)
         if min(self.total_tokens, self.depth, self.top_k) < 1:
             raise SpeculaError("eagle2 needs total_tokens, depth and top_k >= 1")
         # Checked here, not mid-generation: the tokens a head can draft bound the children per node.
@@ -125,7 +193,7 @@ class EagleDrafter:
             nodes = self._grow(root_feature, depth) if self.dynamic else self._grow_static(root_feature, depth)
         finally:
             self.cache.truncate(committed)
-        return _as_tree(int(context[-1]), nodes, context.device)
+        return nodes.as_tree(int(context[-1]))
 
     # ---------------------------------------------------------------- tree growth
 
@@ -146,109 +214,94 @@ class EagleDrafter:
         tokens = torch.multinomial(q, count, replacement=True, generator=self._generator)
         return tokens, torch.log(q.gather(-1, tokens)), q
 
-    def _feed(self, nodes: list[_Node], frontier: list[int], parent_features: torch.Tensor,
-              fed: list[int], committed: int) -> torch.Tensor:
-        """Run the pairs of ``frontier`` nodes through the head; returns their predicted features [len, H]."""
-        device = parent_features.device
-        tokens = torch.tensor([nodes[i].token for i in frontier], device=device)
-        positions = torch.tensor([committed + nodes[i].depth - 1 for i in frontier], device=device)
-        # Each new pair sees every committed pair and the pairs of its own ancestors.
-        block = len(fed) + len(frontier)
-        mask = torch.ones(len(frontier), committed + block, dtype=torch.bool, device=device)
-        mask[:, committed:] = False
-        for row, index in enumerate(frontier):
-            nodes[index].slot = len(fed) + row
-            ancestor = index
-            while ancestor >= 0:
-                mask[row, committed + nodes[ancestor].slot] = True
-                ancestor = nodes[ancestor].parent
-        out = self.head.step(parent_features, self.embed(tokens), positions, self.cache, mask[None, None],
-                             own_features=True)
+    def _feed(self, nodes: _Nodes, frontier: torch.Tensor, parent_features: torch.Tensor, fed: torch.Tensor,
+              committed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the pairs of ``frontier`` nodes [F] through the head after the ``fed`` ones (node indices in
+        head-cache order); returns (their predicted features [F, H], the new ``fed``)."""
+        fed = torch.cat([fed, frontier])
+        # Each new pair sees every committed pair and the pairs of its own ancestors (itself included).
+        mask = torch.ones(frontier.shape[0], committed + fed.shape[0], dtype=torch.bool, device=fed.device)
+        mask[:, committed:] = nodes.ancestors[frontier][:, fed]
+        positions = committed + nodes.depths[frontier] - 1
+        out = self.head.step(parent_features, self.embed(nodes.tokens[frontier]), positions, self.cache,
+                             mask[None, None], own_features=True)
         self.cache.commit()
-        fed.extend(frontier)
-        return out
+        return out, fed
 
-    def _grow(self, root_feature: torch.Tensor, depth: int) -> list[_Node]:
+    def _grow(self, root_feature: torch.Tensor, depth: int) -> _Nodes:
         """EAGLE-2: expand the most valuable nodes layer by layer, then keep the best ``total_tokens``."""
-        committed = self.cache.length
-        tokens, confidences, q = self._children(self._log_probs(root_feature), self.top_k)
-        nodes = [_Node(int(t), -1, 1, float(v), q=None if q is None else q[0])
-                 for v, t in zip(confidences[0], tokens[0], strict=True)]
-        frontier = list(range(len(nodes)))
-        frontier_inputs = root_feature.expand(len(frontier), -1)
-        fed: list[int] = []
+        committed, k, device = self.cache.length, self.top_k, root_feature.device
+        nodes = _Nodes.empty(device)
+        tokens, confidences, q = self._children(self._log_probs(root_feature), k)
+        no_parent = torch.full((k,), -1, dtype=torch.long, device=device)
+        frontier = nodes.add(tokens[0], no_parent, confidences[0], q, torch.zeros(k, dtype=torch.long, device=device))
+        frontier_inputs = root_feature.expand(k, -1)
+        fed = torch.empty(0, dtype=torch.long, device=device)
         for _ in range(depth - 1):
-            predicted = self._feed(nodes, frontier, frontier_inputs, fed, committed)
-            tokens, confidences, q = self._children(self._log_probs(predicted), self.top_k)
-            values = torch.tensor([nodes[i].value for i in frontier], device=confidences.device)
-            totals = (values[:, None] + confidences).flatten()
-            first_child = len(nodes)
-            for row, parent in enumerate(frontier):
-                for col in range(self.top_k):
-                    nodes.append(_Node(int(tokens[row, col]), parent, nodes[parent].depth + 1,
-                                       float(totals[row * self.top_k + col]), q=None if q is None else q[row]))
+            predicted, fed = self._feed(nodes, frontier, frontier_inputs, fed, committed)
+            tokens, confidences, q = self._children(self._log_probs(predicted), k)
+            totals = (nodes.values[frontier][:, None] + confidences).flatten()  # [F * k], row-major by parent
+            rows = torch.arange(frontier.shape[0], device=device).repeat_interleave(k)
+            new = nodes.add(tokens.flatten(), frontier[rows], totals, q, rows)
             # Only the top_k most valuable new nodes are expanded further.
-            chosen = torch.topk(totals, self.top_k).indices.tolist()
-            frontier = [first_child + c for c in chosen]
-            frontier_inputs = predicted[[c // self.top_k for c in chosen]]
+            chosen = torch.topk(totals, k).indices
+            frontier, frontier_inputs = new[chosen], predicted[chosen // k]
         if not self._params.greedy:
             # Sampled siblings must stay i.i.d. draws from q for the acceptor to be lossless, so none may
             # be dropped for its value: keep nodes in creation order (sample order within siblings).
-            return _subset(nodes, list(range(min(len(nodes), self.total_tokens))))
-        # Rerank: a child's value never exceeds its parent's, so the best nodes (ties: shallower first)
-        # include every kept node's ancestors.
-        order = sorted(range(len(nodes)), key=lambda i: (-nodes[i].value, nodes[i].depth, i))
-        return _subset(nodes, order[: self.total_tokens])
+            return nodes.subset(torch.arange(min(len(nodes), self.total_tokens), device=device))
+        # Rerank by value, ties toward shallower then earlier nodes. A child's value never exceeds its
+        # parent's, so the best nodes include every kept node's ancestors.
+        order = torch.argsort(nodes.depths, stable=True)
+        order = order[torch.argsort(-nodes.values[order], stable=True)]
+        return nodes.subset(order[: self.total_tokens])
 
-    def _grow_static(self, root_feature: torch.Tensor, depth: int) -> list[_Node]:
-        """EAGLE-1: children of each node by rank, as listed in ``choices``."""
-        committed = self.cache.length
-        paths = [tuple(p) for p in self.choices if len(p) <= depth]
-        index_of: dict[tuple[int, ...], int] = {}
-        nodes: list[_Node] = []
-        features = {(): root_feature[0]}
-        fed: list[int] = []
-        for level in range(1, depth + 1):
-            parents = sorted({p[:-1] for p in paths if len(p) == level and p[:-1] in features})
-            if not parents:
-                break
-            widest = 1 + max(p[-1] for p in paths if len(p) == level)
-            ranked, confidences, q = self._children(self._log_probs(torch.stack([features[p] for p in parents])),
-                                                    widest)
-            new = []
-            for row, parent in enumerate(parents):
-                for path in (p for p in paths if len(p) == level and p[:-1] == parent):
-                    token = int(ranked[row, path[-1]])
-                    parent_index = index_of.get(parent, -1)
-                    base = nodes[parent_index].value if parent_index >= 0 else 0.0
-                    value = base + float(confidences[row, path[-1]])
-                    index_of[path] = len(nodes)
-                    nodes.append(_Node(token, parent_index, level, value, q=None if q is None else q[row]))
-                    new.append(path)
-            if level < depth and any(len(p) > level for p in paths):
-                expandable = [p for p in new if any(q[:level] == p and len(q) > level for q in paths)]
-                if expandable:
-                    inputs = torch.stack([features[p[:-1]] for p in expandable])
-                    predicted = self._feed(nodes, [index_of[p] for p in expandable], inputs, fed, committed)
-                    features.update(zip(expandable, predicted, strict=True))
+    def _grow_static(self, root_feature: torch.Tensor, depth: int) -> _Nodes:
+        """EAGLE-1: children of each node by rank, as listed in ``choices`` (a plan fixed per depth)."""
+        committed, device = self.cache.length, root_feature.device
+        nodes = _Nodes.empty(device)
+        features = root_feature.new_zeros(0, root_feature.shape[-1])  # predicted feature of each fed node
+        fed = torch.empty(0, dtype=torch.long, device=device)
+        for level in self._static_plan(depth):
+            parents = level["parents"].to(device)  # [P] node indices (-1: the root) whose children are drafted
+            inputs = torch.cat([root_feature, features])[parents + 1]  # the root's feature is row 0
+            ranked, confidences, q = self._children(self._log_probs(inputs), level["widest"])
+            rows, ranks = level["rows"].to(device), level["ranks"].to(device)  # per new node: parent row, rank
+            base = torch.where(parents[rows] >= 0, nodes.values[parents[rows].clamp(min=0)] if len(nodes) else 0, 0.0)
+            new = nodes.add(ranked[rows, ranks], parents[rows], base + confidences[rows, ranks], q, rows)
+            expand = level["expand"].to(device)  # which new nodes have children further down
+            if expand.numel():
+                frontier = new[expand]
+                parent_inputs = inputs[rows[expand]]
+                predicted, fed = self._feed(nodes, frontier, parent_inputs, fed, committed)
+                grown = root_feature.new_zeros(len(nodes), root_feature.shape[-1])
+                grown[: features.shape[0]] = features
+                grown[frontier] = predicted
+                features = grown
         return nodes
 
-
-def _subset(nodes: list[_Node], keep: list[int]) -> list[_Node]:
-    """The kept nodes in depth order with parents re-indexed (every kept node's parent is kept)."""
-    keep = sorted(keep, key=lambda i: (nodes[i].depth, i))
-    new_index = {old: new for new, old in enumerate(keep)}
-    return [_Node(nodes[i].token, new_index.get(nodes[i].parent, -1), nodes[i].depth, nodes[i].value, q=nodes[i].q)
-            for i in keep]
-
-
-def _as_tree(root: int, nodes: list[_Node], device: torch.device) -> DraftTree:
-    """DraftTree with the root as node 0 and drafted node i as node i + 1 (parents come first)."""
-    tokens = torch.tensor([root] + [n.token for n in nodes], dtype=torch.long, device=device)
-    draft_probs = None
-    if nodes and nodes[0].q is not None:
-        draft_probs = torch.stack([torch.zeros_like(nodes[0].q)] + [n.q for n in nodes])
-    # A node's value is the log of its path's confidence product: the step from its parent is its own.
-    confidences = torch.tensor([1.0] + [math.exp(n.value - (nodes[n.parent].value if n.parent >= 0 else 0.0))
-                                        for n in nodes])
-    return DraftTree(tokens, [-1] + [n.parent + 1 for n in nodes], draft_probs, confidences)
+    def _static_plan(self, depth: int) -> list[dict]:
+        """Per level of the static tree cut at ``depth``: the parent nodes [P] whose children are drafted,
+        for each new node its parent's row among them and its rank, the widest rank + 1, and which new
+        nodes are expanded (fed) for the next level. Node indices follow creation order."""
+        if depth not in self._plans:
+            paths: list[tuple[int, ...]] = []  # sorted by (length, path); a path whose parent is absent is dropped
+            for path in (tuple(p) for p in self.choices if len(p) <= depth):
+                if len(path) == 1 or path[:-1] in paths:
+                    paths.append(path)
+            index = {path: i for i, path in enumerate(paths)}
+            plan = []
+            for level in range(1, depth + 1):
+                new = [p for p in paths if len(p) == level]
+                if not new:
+                    break
+                parents = sorted({index.get(p[:-1], -1) for p in new})
+                row_of = {parent: row for row, parent in enumerate(parents)}
+                deeper = {p[:level] for p in paths if len(p) > level}
+                plan.append({"parents": torch.tensor(parents),
+                             "rows": torch.tensor([row_of[index.get(p[:-1], -1)] for p in new]),
+                             "ranks": torch.tensor([p[-1] for p in new]),
+                             "widest": 1 + max(p[-1] for p in new),
+                             "expand": torch.tensor([i for i, p in enumerate(new) if p in deeper], dtype=torch.long)})
+            self._plans[depth] = plan
+        return self._plans[depth]
