@@ -30,7 +30,7 @@ import torch
 
 from specula.bench import theory
 from specula.bench.metrics import depth_counts, pooled_alpha
-from specula.bench.runners import RecordingDrafter, accepted_path
+from specula.bench.runners import RecordingDrafter, accepted_path, conversation_ids
 from specula.decoding import generate_tokens
 from specula.divergence import NEAR_TIE, REAL
 from specula.drafters.vanilla import VanillaDrafter
@@ -141,7 +141,8 @@ def _build(opts: CalibrationOptions, weights: str):
 
 def _prompt_ids(opts: CalibrationOptions, target) -> list[list[int]]:
     budget = max(1, min(opts.max_prompt_tokens, target.max_length - opts.max_new_tokens - max(VERIFY_SIZES) - 1))
-    prompts = [ids for text in opts.prompts if (ids := target.tokenizer(text, verbose=False).input_ids[-budget:])]
+    # A user turn through the chat template when the tokenizer has one, as bench and check decode it.
+    prompts = [ids for text in opts.prompts if (ids := conversation_ids(target.tokenizer, [text], [], budget)[0])]
     if not prompts:
         raise SpeculaError("the calibration prompts are empty after tokenization")
     return prompts

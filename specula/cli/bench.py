@@ -32,7 +32,9 @@ from specula.sampling import SamplingParams
 from specula.target import check_model_dir
 from specula.weights import resolve_weights
 
-DEFAULT_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "pycode" / "eval.jsonl"
+# MT-bench: the chat evaluation set of the papers, for the bundled chat model (pycode/eval.jsonl served the old
+# code fixture).
+DEFAULT_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "mt_bench" / "question.jsonl"
 
 
 def _split(value) -> list[str]:
