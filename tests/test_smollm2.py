@@ -48,7 +48,8 @@ def transformers_outputs(smollm2) -> dict[str, list[int]]:
     return outputs
 
 
-@pytest.mark.parametrize("method", ["vanilla", "pld", "eagle3"])  # eagle3: the bundled head, found without --draft
+# eagle, eagle2, eagle3: the bundled heads, found without --draft
+@pytest.mark.parametrize("method", ["vanilla", "pld", "eagle", "eagle2", "eagle3"])
 def test_greedy_output_equals_transformers_generate_on_the_gguf_model(smollm2, transformers_outputs, method):
     target = smollm2.speculator.target
     speculator = build_speculator(target, method, profile=False)
