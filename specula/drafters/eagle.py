@@ -77,14 +77,16 @@ class _Nodes:
     def __len__(self) -> int:
         return self.tokens.shape[0]
 
-    def add(self, tokens: torch.Tensor, parents: torch.Tensor, values: torch.Tensor,
+    def add(self, tokens: torch.Tensor, parents: torch.Tensor, log_confidences: torch.Tensor,
             q: torch.Tensor | None, q_rows: torch.Tensor) -> torch.Tensor:
-        """Append children ``tokens`` [M] of ``parents`` [M] (-1: the root); q [R, V] and q_rows [M] say which
-        distribution each was sampled from. Returns the new nodes' indices [M]."""
+        """Append children ``tokens`` [M] of ``parents`` [M] (-1: the root), each with the log of the draft's
+        confidence in it given its parent [M]; q [R, V] and q_rows [M] say which distribution each was sampled
+        from. Returns the new nodes' indices [M]."""
         n, m = len(self), tokens.shape[0]
         device = tokens.device
         is_child = parents >= 0
         parent_depths = torch.where(is_child, self.depths[parents.clamp(min=0)] if n else 0, 0)
+        parent_values = torch.where(is_child, self.values[parents.clamp(min=0)] if n else 0, 0.0)
         grown = torch.zeros(n + m, n + m, dtype=torch.bool, device=device)
         grown[:n, :n] = self.ancestors
         if n:
@@ -98,7 +100,7 @@ class _Nodes:
         self.tokens = torch.cat([self.tokens, tokens])
         self.parents = torch.cat([self.parents, parents])
         self.depths = torch.cat([self.depths, parent_depths + 1])
-        self.values = torch.cat([self.values, values.float()])
+        self.values = torch.cat([self.values, (parent_values + log_confidences).float()])
         return torch.arange(n, n + m, device=device)
 
     def subset(self, keep: torch.Tensor) -> _Nodes:
@@ -240,11 +242,10 @@ class EagleDrafter:
         for _ in range(depth - 1):
             predicted, fed = self._feed(nodes, frontier, frontier_inputs, fed, committed)
             tokens, confidences, q = self._children(self._log_probs(predicted), k)
-            totals = (nodes.values[frontier][:, None] + confidences).flatten()  # [F * k], row-major by parent
-            rows = torch.arange(frontier.shape[0], device=device).repeat_interleave(k)
-            new = nodes.add(tokens.flatten(), frontier[rows], totals, q, rows)
+            rows = torch.arange(frontier.shape[0], device=device).repeat_interleave(k)  # row-major by parent
+            new = nodes.add(tokens.flatten(), frontier[rows], confidences.flatten(), q, rows)
             # Only the top_k most valuable new nodes are expanded further.
-            chosen = torch.topk(totals, k).indices
+            chosen = torch.topk(nodes.values[new], k).indices
             frontier, frontier_inputs = new[chosen], predicted[chosen // k]
         if not self._params.greedy:
             # Sampled siblings must stay i.i.d. draws from q for the acceptor to be lossless, so none may
@@ -259,25 +260,23 @@ class EagleDrafter:
     def _grow_static(self, root_feature: torch.Tensor, depth: int) -> _Nodes:
         """EAGLE-1: children of each node by rank, as listed in ``choices`` (a plan fixed per depth)."""
         committed, device = self.cache.length, root_feature.device
+        plan = self._static_plan(depth)
         nodes = _Nodes.empty(device)
-        features = root_feature.new_zeros(0, root_feature.shape[-1])  # predicted feature of each fed node
+        # Row 0: the root's feature; row i + 1: the predicted feature of node i, once it is fed.
+        features = root_feature.new_zeros(1 + sum(level["rows"].numel() for level in plan), root_feature.shape[-1])
+        features[0] = root_feature[0]
         fed = torch.empty(0, dtype=torch.long, device=device)
-        for level in self._static_plan(depth):
+        for level in plan:
             parents = level["parents"].to(device)  # [P] node indices (-1: the root) whose children are drafted
-            inputs = torch.cat([root_feature, features])[parents + 1]  # the root's feature is row 0
+            inputs = features[parents + 1]
             ranked, confidences, q = self._children(self._log_probs(inputs), level["widest"])
             rows, ranks = level["rows"].to(device), level["ranks"].to(device)  # per new node: parent row, rank
-            base = torch.where(parents[rows] >= 0, nodes.values[parents[rows].clamp(min=0)] if len(nodes) else 0, 0.0)
-            new = nodes.add(ranked[rows, ranks], parents[rows], base + confidences[rows, ranks], q, rows)
+            new = nodes.add(ranked[rows, ranks], parents[rows], confidences[rows, ranks], q, rows)
             expand = level["expand"].to(device)  # which new nodes have children further down
             if expand.numel():
                 frontier = new[expand]
-                parent_inputs = inputs[rows[expand]]
-                predicted, fed = self._feed(nodes, frontier, parent_inputs, fed, committed)
-                grown = root_feature.new_zeros(len(nodes), root_feature.shape[-1])
-                grown[: features.shape[0]] = features
-                grown[frontier] = predicted
-                features = grown
+                predicted, fed = self._feed(nodes, frontier, inputs[rows[expand]], fed, committed)
+                features[frontier + 1] = predicted
         return nodes
 
     def _static_plan(self, depth: int) -> list[dict]:
