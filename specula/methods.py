@@ -376,11 +376,9 @@ def resolve_draft(method: str, target: str | Path, draft: str | Path | None) -> 
     return path
 
 
-def profile_options(method: str, profile: bool | str | Path, target_name: str, device: str) -> dict:
-    """Drafter options the hardware profile recommends for ``method`` (checked like any other)."""
-    if profile is False:
-        return {}
-    measured = load_profile(target_name, None if profile is True else profile)
+def profile_options(method: str, measured: dict | None, device: str) -> dict:
+    """Drafter options the hardware profile ``measured`` (None: none) recommends for ``method``, checked like
+    any other."""
     recommended = profile_defaults(measured, method, device)
     spec = get_method(method)
     usable = {k: v for k, v in recommended.items() if spec.takes(k)}
@@ -408,17 +406,17 @@ def build_speculator(target: str | Path | Target = DEFAULT_TARGET, method: str =
         raise SpeculaError(f"unknown dtype '{dtype}'; choose one of auto, {', '.join(DTYPES)}")
     target_name = target.name if isinstance(target, Target) else model_name(target)
     resolve_weights(weights)  # an unknown format fails before anything loads
-    measured = None if profile is False or weights != "auto" else load_profile(
-        target_name, None if profile is True else profile)
-    fmt = resolve_weights(weights, measured, device)  # auto: the format calibration chose (float32 if none)
-    if isinstance(target, Target) and weights != "auto" and fmt != target.weights:
+    if isinstance(target, Target) and weights != "auto" and weights != target.weights:
         raise SpeculaError(f"the target was loaded with {target.weights} weights; load it again to use {weights}")
     if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2):
         raise SpeculaError(f"max_length must be a whole number >= 2, got {max_length!r}")
     # A loaded target (bench shares one across methods) remembers the directory it came from.
     target_path = getattr(target, "path", target.name) if isinstance(target, Target) else target
     draft_dir = resolve_draft(method, target_path, draft)
-    merged = {**profile_options(method, profile, target_name, str(device)), **checked}
+    # Read once: it gives the drafter options it recommends and what --weights auto means.
+    measured = None if profile is False else load_profile(target_name, None if profile is True else profile)
+    fmt = resolve_weights(weights, measured, device)  # auto: the format calibration chose (float32 if none)
+    merged = {**profile_options(method, measured, str(device)), **checked}
     get_method(method).check(merged)
     if not isinstance(target, Target):
         target = Target.load(target, dtype=dtype, device=device, max_length=max_length, weights=fmt)

@@ -82,11 +82,14 @@ def _malformed(profile) -> str:
     return ""
 
 
+def measured_on(profile: dict | None, device: str = "cpu") -> bool:
+    """Whether ``profile`` exists and was measured on ``device``'s type (cpu, cuda, ...): only then it applies."""
+    return bool(profile) and str(profile.get("device", "cpu")).split(":")[0] == str(device).split(":")[0]
+
+
 def profile_defaults(profile: dict | None, method: str, device: str = "cpu") -> dict:
     """Drafter options the profile recommends for ``method`` on ``device`` ({} if none apply)."""
-    if not profile:
-        return {}
-    if str(profile.get("device", "cpu")).split(":")[0] != str(device).split(":")[0]:
+    if not measured_on(profile, device):
         return {}
     entry = profile["methods"].get(method) or {}
     defaults = entry.get("defaults") or {}

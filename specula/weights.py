@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from specula.errors import SpeculaError
+from specula.profile import measured_on
 from specula.quantized_linear import GROUP_SIZE, BFloat16Linear, Int4Linear, Int8Linear, int4_groups
 
 WEIGHT_FORMATS = ("auto", "float32", "bfloat16", "int8", "int4")
@@ -69,7 +70,7 @@ def resolve_weights(fmt: str, profile: dict | None = None, device: str | torch.d
 
 def calibrated_weights(profile: dict | None, device: str | torch.device = "cpu") -> str | None:
     """The format calibration chose in ``profile`` for this device type, or None if it has not chosen one."""
-    if not profile or str(profile.get("device", "cpu")).split(":")[0] != torch.device(device).type:
+    if not measured_on(profile, str(device)):
         return None
     choice = (profile.get("auto_weights") or {}).get("choice")
     return choice if choice in WEIGHT_FORMATS[1:] else None
