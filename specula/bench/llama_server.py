@@ -33,8 +33,13 @@ MISSING = ("llama.cpp's llama-server was not found: pass --llama-server PATH (or
            "[bench]), or set SPECULA_LLAMA_SERVER=/path/to/llama-server")
 
 
+class LlamaServerNotInstalled(SpeculaError):
+    """No llama-server was named (flag, config or environment) and none is on PATH."""
+
+
 def find_llama_server(explicit: str | Path | None = None) -> Path:
-    """The llama-server binary to run, or a SpeculaError saying how to name one."""
+    """The llama-server binary to run, or a SpeculaError saying how to name one: `LlamaServerNotInstalled`
+    when none was named and none is on PATH, a plain SpeculaError when the one named is not there."""
     candidates = [(str(explicit), "--llama-server")] if explicit else []
     candidates += [(os.environ[name], f"${name}") for name in ENV_VARS if os.environ.get(name)]
     for value, source in candidates[:1]:  # the first one given is what the user meant: no silent fallback
@@ -46,7 +51,7 @@ def find_llama_server(explicit: str | Path | None = None) -> Path:
         return path.resolve()
     found = shutil.which("llama-server")
     if found is None:
-        raise SpeculaError(MISSING)
+        raise LlamaServerNotInstalled(MISSING)
     return Path(found).resolve()
 
 

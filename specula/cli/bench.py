@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import sys
 from pathlib import Path
 
 from specula.bench.calibrate import CalibrationOptions, calibrate, format_report
 from specula.bench.config import method_specs, parse_option, read_config
-from specula.bench.llama_server import ENV_VARS as LLAMA_SERVER_ENV
-from specula.bench.llama_server import find_llama_server
+from specula.bench.llama_server import LlamaServerNotInstalled, find_llama_server
 from specula.bench.questions import load_questions, read_questions
 from specula.bench.suite import BenchSettings, run_bench
 from specula.bench.vanilla_vs_hf import DEFAULT_PROMPTS, read_prompts
@@ -152,13 +150,12 @@ def bench_settings(args: argparse.Namespace):
     specs = method_specs(labels, config["methods"], args.option, all_defaults(profile, device))
     llama_server = None
     if any(spec.is_llamacpp for spec in specs):
-        named = pick("llama_server") or any(os.environ.get(name) for name in LLAMA_SERVER_ENV)
         try:
             llama_server = str(find_llama_server(pick("llama_server")))  # before any model loads: fail fast
-        except SpeculaError as err:
+        except LlamaServerNotInstalled as err:
             # llama.cpp is an optional reference (built from source, outside the install): when nobody named
             # a binary and none is on PATH, its rows are skipped with one line; a named one must exist.
-            if named or all(spec.is_llamacpp for spec in specs):
+            if all(spec.is_llamacpp for spec in specs):
                 raise
             skipped = [spec.label for spec in specs if spec.is_llamacpp]
             print(f"specula: skipping {', '.join(skipped)}: {err}", file=sys.stderr)
