@@ -27,6 +27,7 @@ default, and float32 is there for exactness checks.
 
 from __future__ import annotations
 
+import copy
 import itertools
 from dataclasses import dataclass
 
@@ -219,3 +220,52 @@ def dequantized_weight(module: nn.Module) -> torch.Tensor:
     if module.bias is not None:
         out = out - module.bias.to(out.dtype)
     return out.t().float()
+
+
+# What each fusible kind holds per output row: tensors whose dim 0 runs over outputs (stacked, and the parts
+# then see views of the stack) and tensors whose dim 1 does (concatenated as copies: the kernels want them
+# contiguous, and they are the small ones, the int4 scales).
+_ROW_TENSORS = {nn.Linear: ("weight", "bias"), BFloat16Linear: ("weight", "bias"),
+                Int8Linear: ("qweight", "scales", "bias"), Int4Linear: ("packed", "bias")}
+_COLUMN_TENSORS = {Int4Linear: ("scale_and_zero",)}
+
+
+def fuse_outputs(parts: list[nn.Module]) -> nn.Module | None:
+    """One linear layer computing ``torch.cat([part(x) for part in parts], -1)`` as one matmul, or None.
+
+    The fused weight is the parts' weights stacked by output row, and each part's weight becomes a view of
+    that stack, so memory is not doubled and the parts still run on their own (a `transformers` forward of
+    the same model). Every kernel here computes an output column from its own weight row only, so the fused
+    outputs equal the parts' bit for bit (pinned by tests on this device). None where the parts cannot be
+    stacked: different kinds, input widths or compute dtypes, bias on some only, int4 rows padded to the
+    kernel's multiple of 16, or the CUDA int4 layout (tiled across rows).
+    """
+    first = parts[0]
+    kind = type(first)
+    if kind not in _ROW_TENSORS or any(type(p) is not kind or p.in_features != first.in_features
+                                       or getattr(p, "compute_dtype", None) != getattr(first, "compute_dtype", None)
+                                       or (p.bias is None) != (first.bias is None) for p in parts):
+        return None
+    if kind is Int4Linear and (first.cuda or any(p.out_features % INT4_N_MULTIPLE for p in parts)):
+        return None
+    fused = copy.copy(first)  # its settings (input width, compute dtype); its tensors are replaced below
+    fused._parameters, fused._buffers = dict(first._parameters), dict(first._buffers)
+    fused.out_features = sum(p.out_features for p in parts)
+    for name in _COLUMN_TENSORS.get(kind, ()):
+        setattr(fused, name, torch.cat([getattr(p, name) for p in parts], dim=1).contiguous())
+    for name in _ROW_TENSORS[kind]:
+        if getattr(first, name) is None:
+            continue
+        stacked = torch.cat([getattr(p, name).detach() for p in parts])
+        _set_tensor(fused, name, stacked)
+        for part, rows in zip(parts, stacked.split([getattr(p, name).shape[0] for p in parts]), strict=True):
+            _set_tensor(part, name, rows)
+    return fused
+
+
+def _set_tensor(module: nn.Module, name: str, value: torch.Tensor) -> None:
+    """Rebind a parameter or buffer ``name`` of ``module`` to ``value``, keeping which of the two it is."""
+    if name in module._parameters:
+        module._parameters[name] = nn.Parameter(value, requires_grad=False)
+    else:
+        module._buffers[name] = value

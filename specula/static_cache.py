@@ -18,6 +18,9 @@ import sys
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+from specula.quantized_linear import fuse_outputs
 
 SLOT_STEP = 256  # allocations are whole multiples of this many slots (up to the capacity)
 
@@ -106,21 +109,54 @@ def rotary_function(layer: torch.nn.Module):
     return sys.modules[type(layer.self_attn).__module__].apply_rotary_pos_emb
 
 
+class FusedProjections:
+    """A decoder layer's q/k/v projections as one matmul and its gate/up projections as another.
+
+    One weight-only int4 or int8 kernel call costs about as much for 576 output rows as for 1,536 on a
+    CPU (the launch and the input conversion dominate at one token), so stacking the projections that
+    read the same input saves a third of the calls of a step: measured on SmolLM2 in int4, 2 threads,
+    a one-token step went from 29.1 to 27.1 ms (4 tokens 36.9 → 33.9, 16 tokens 85.0 → 82.0; float32 one
+    token 60.9 → 56.6), and outputs are bit-identical (`fuse_outputs`).
+    qkv / gate_up are None where the layer's linears cannot be stacked; the step then calls them one by one.
+    """
+
+    def __init__(self, layer: nn.Module):
+        attn, mlp = layer.self_attn, layer.mlp
+        self.sources = self._sources(layer)
+        self.qkv = fuse_outputs([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.qkv_sizes = [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
+        gated = all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj", "act_fn"))
+        self.gate_up = fuse_outputs([mlp.gate_proj, mlp.up_proj]) if gated else None
+
+    @staticmethod
+    def _sources(layer: nn.Module) -> tuple:
+        attn, mlp = layer.self_attn, layer.mlp
+        return (attn.q_proj, attn.k_proj, attn.v_proj, getattr(mlp, "gate_proj", None), getattr(mlp, "up_proj", None))
+
+    def built_from(self, layer: nn.Module) -> bool:
+        """Whether ``layer`` still holds the linears these were stacked from (not replaced, e.g. requantized)."""
+        return all(a is b for a, b in zip(self.sources, self._sources(layer), strict=True))
+
+
 def decoder_layer_step(layer: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        cache: StaticKVCache, index: int, mask: torch.Tensor | None, causal: bool,
-                       apply_rope, attention_input: torch.Tensor | None = None) -> torch.Tensor:
+                       apply_rope, attention_input: torch.Tensor | None = None,
+                       fused: FusedProjections | None = None) -> torch.Tensor:
     """One `transformers` Llama-style decoder layer on a block x [1, n, H] using ``cache`` layer ``index``.
 
     ``causal`` asks SDPA for a causal mask when ``mask`` is None (a prefill from an empty cache).
     ``attention_input`` replaces the normalised x as input of q/k/v (EAGLE-3 feeds a wider one there).
+    ``fused``: the layer's stacked projections (built from this layer), or None to call each linear.
     """
     attn = layer.self_attn
     n = x.shape[1]
     h = layer.input_layernorm(x) if attention_input is None else attention_input
     head_dim = attn.head_dim
-    q = attn.q_proj(h).view(1, n, -1, head_dim)
-    k = attn.k_proj(h).view(1, n, -1, head_dim)
-    v = attn.v_proj(h).view(1, n, -1, head_dim)
+    if fused is not None and fused.qkv is not None:
+        q, k, v = fused.qkv(h).split(fused.qkv_sizes, dim=-1)
+    else:
+        q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+    q, k, v = q.view(1, n, -1, head_dim), k.view(1, n, -1, head_dim), v.view(1, n, -1, head_dim)
     if hasattr(attn, "q_norm"):  # Qwen3 normalises each head before rotary
         q, k = attn.q_norm(q), attn.k_norm(k)
     q, k = apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
@@ -128,4 +164,8 @@ def decoder_layer_step(layer: torch.nn.Module, x: torch.Tensor, cos: torch.Tenso
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal and mask is None,
                                          scale=attn.scaling, enable_gqa=True)
     x = x + attn.o_proj(out.transpose(1, 2).reshape(1, n, -1))
-    return x + layer.mlp(layer.post_attention_layernorm(x))
+    h = layer.post_attention_layernorm(x)
+    if fused is not None and fused.gate_up is not None:
+        gate, up = fused.gate_up(h).chunk(2, dim=-1)  # the MLP of transformers' Llama, Mistral and Qwen
+        return x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
+    return x + layer.mlp(h)

@@ -30,7 +30,13 @@ from specula.errors import SpeculaError
 from specula.model_source import gguf_source, model_name, resolve_model
 from specula.profile import load_profile
 from specula.readers import check_fields, check_safetensors, expect_object, open_safetensors
-from specula.static_cache import StaticKVCache, block_attention_mask, decoder_layer_step, rotary_function
+from specula.static_cache import (
+    FusedProjections,
+    StaticKVCache,
+    block_attention_mask,
+    decoder_layer_step,
+    rotary_function,
+)
 from specula.streamed_load import load_converted
 from specula.weights import quantize_linear_weights, resolve_weights
 
@@ -305,6 +311,13 @@ class _LlamaFamilyRuntime:
         self.apply_rope = rotary_function(self.layers[0])
         mistral_window = getattr(config, "sliding_window", None) if config.model_type == "mistral" else None
         self.windows = [getattr(layer.self_attn, "sliding_window", None) or mistral_window for layer in self.layers]
+        self.fused = [FusedProjections(layer) for layer in self.layers]
+
+    def _fused(self, i: int) -> FusedProjections:
+        """Layer i's stacked projections, rebuilt if its linears were replaced since (a later requantization)."""
+        if not self.fused[i].built_from(self.layers[i]):
+            self.fused[i] = FusedProjections(self.layers[i])
+        return self.fused[i]
 
     @property
     def length(self) -> int:
@@ -330,7 +343,8 @@ class _LlamaFamilyRuntime:
         for i, layer in enumerate(self.layers):
             if i in features.layer_inputs:
                 layer_inputs[i] = x[0]
-            x = decoder_layer_step(layer, x, cos, sin, self.cache, i, masks[self.windows[i]], causal, self.apply_rope)
+            x = decoder_layer_step(layer, x, cos, sin, self.cache, i, masks[self.windows[i]], causal, self.apply_rope,
+                                   fused=self._fused(i))
         hidden = base.norm(x)[0]
         logits = self.model.lm_head(hidden)
         return ForwardOutput(logits, hidden if features.final_hidden else None, layer_inputs)

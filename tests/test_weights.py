@@ -22,6 +22,7 @@ from specula.quantized_linear import (
     Int4Linear,
     Int8Linear,
     dequantized_weight,
+    fuse_outputs,
     int4_groups,
     int8_rows,
 )
@@ -110,6 +111,48 @@ def test_bfloat16_linear_is_a_bfloat16_matmul():
 
 
 # ---------------------------------------------------------------- GGUF blocks
+
+
+def _linears(fmt: str, rows: list[int], width: int = 64, bias: bool = False) -> list[torch.nn.Module]:
+    torch.manual_seed(1)
+    plain = [torch.nn.Linear(width, n, bias=bias).requires_grad_(False) for n in rows]
+    convert = {"float32": lambda m: m, "bfloat16": BFloat16Linear, "int8": Int8Linear.from_linear,
+               "int4": Int4Linear.from_linear}[fmt]
+    return [convert(m) for m in plain]
+
+
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8", "int4"])
+@pytest.mark.parametrize("tokens", [1, 4, 16])
+def test_fused_projections_equal_the_separate_ones_bit_for_bit(fmt, tokens):
+    """Stacked q/k/v-like linears give exactly the parts' outputs, and the parts still give them after, from
+    views of the stacked weight (no second copy)."""
+    parts = _linears(fmt, [64, 32, 32], bias=fmt == "int8")
+    x = torch.randn(tokens, 64)
+    before = [part(x) for part in parts]
+    fused = fuse_outputs(parts)
+    assert torch.equal(fused(x), torch.cat(before, dim=-1))
+    assert all(torch.equal(part(x), out) for part, out in zip(parts, before, strict=True))
+    stacked = next(t for t in (*fused.parameters(), *fused.buffers()) if t.dim() == 2 and t.shape[0] == 128)
+    first = next(t for t in (*parts[0].parameters(), *parts[0].buffers()) if t.dim() == 2 and t.shape[0] == 64)
+    assert first.data_ptr() == stacked.data_ptr()
+
+
+def test_linears_that_cannot_be_stacked_are_left_alone():
+    assert fuse_outputs(_linears("int4", [64, 24])) is None  # the int4 kernel pads 24 rows to 32
+    assert fuse_outputs([*_linears("int8", [32]), *_linears("int4", [32])]) is None
+    assert fuse_outputs([*_linears("float32", [32], bias=True), *_linears("float32", [32])]) is None
+
+
+def test_a_target_requantized_after_loading_decodes_with_its_new_weights():
+    """The stacked projections follow the layers' linears: replaced linears are stacked again, never stale."""
+    model = tiny_model("llama")
+    target = Target(model)
+    tokens = torch.tensor([5, 9, 2, 7])
+    float_logits = target.prefill(tokens).logits
+    quantize_linear_weights(model, "int4")
+    int4_logits = target.prefill(tokens).logits
+    assert not torch.equal(int4_logits, float_logits)
+    assert torch.equal(int4_logits, Target(model).prefill(tokens).logits)
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
