@@ -389,11 +389,12 @@ def profile_options(method: str, measured: dict | None, device: str) -> dict:
 def build_speculator(target: str | Path | Target = DEFAULT_TARGET, method: str = "vanilla",
                      draft: str | Path | None = None, dtype: str = "auto", device: str = "cpu",
                      max_length: int | None = None, profile: bool | str | Path = True, weights: str = "auto",
-                     **options: Any) -> Speculator:
+                     compile: bool = False, **options: Any) -> Speculator:
     """Check everything, then load the target (unless given loaded) and assemble the method.
 
     ``weights``: the format of the target's linear weights (`specula.weights`: auto, float32, bfloat16,
     int8, int4); draft models and heads keep theirs. A loaded target keeps the format it was loaded with.
+    ``compile``: run the target's decode and verify steps through `torch.compile` (`Target.compile`).
 
     ``options``: the method's drafter options (see `METHODS`) and the acceptance options
     (``acceptance``, ``typical_threshold``, ``typical_alpha``). ``profile``: a hardware profile written
@@ -420,6 +421,8 @@ def build_speculator(target: str | Path | Target = DEFAULT_TARGET, method: str =
     get_method(method).check(merged)
     if not isinstance(target, Target):
         target = Target.load(target, dtype=dtype, device=device, max_length=max_length, weights=fmt)
+    if compile:
+        target.compile()
     drafter = get_method(method).build(target, draft_dir, merged, dtype)
     return Speculator(target, method, drafter, acceptance.make())
 

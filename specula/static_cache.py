@@ -34,6 +34,7 @@ class StaticKVCache:
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.capacity = capacity  # the most slots it may ever hold
+        self.slot_step = SLOT_STEP  # allocations are whole multiples of this (a compiled step asks for more)
         self.length = 0  # committed entries
         self.block = 0  # provisional entries written by the last forward
         self.reserve(SLOT_STEP)
@@ -44,12 +45,12 @@ class StaticKVCache:
         return self.keys[0].shape[2] if self.keys else self.capacity
 
     def reserve(self, slots: int) -> None:
-        """Make room for ``slots`` entries (clipped to the capacity): grow to a multiple of `SLOT_STEP`, at least
+        """Make room for ``slots`` entries (clipped to the capacity): grow to a multiple of ``slot_step``, at least
         double the current allocation; keeps every entry written so far. Never shrinks."""
         slots = min(slots, self.capacity)
         if slots <= self.allocated:
             return
-        size = min(self.capacity, -(-max(slots, 2 * self.allocated) // SLOT_STEP) * SLOT_STEP)
+        size = min(self.capacity, -(-max(slots, 2 * self.allocated) // self.slot_step) * self.slot_step)
         for buffers in (self.keys, self.values):
             for i, old in enumerate(buffers):
                 new = old.new_zeros((*old.shape[:2], size, old.shape[3]))
@@ -141,12 +142,15 @@ class FusedProjections:
 def decoder_layer_step(layer: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        cache: StaticKVCache, index: int, mask: torch.Tensor | None, causal: bool,
                        apply_rope, attention_input: torch.Tensor | None = None,
-                       fused: FusedProjections | None = None) -> torch.Tensor:
+                       fused: FusedProjections | None = None, slots: torch.Tensor | None = None) -> torch.Tensor:
     """One `transformers` Llama-style decoder layer on a block x [1, n, H] using ``cache`` layer ``index``.
 
     ``causal`` asks SDPA for a causal mask when ``mask`` is None (a prefill from an empty cache).
     ``attention_input`` replaces the normalised x as input of q/k/v (EAGLE-3 feeds a wider one there).
     ``fused``: the layer's stacked projections (built from this layer), or None to call each linear.
+    ``slots`` [n]: write the block to these cache slots and attend over the whole allocation (``mask`` then
+    covers it), so that the committed length is data rather than a shape (`specula.compiled_step`); None:
+    write after the committed prefix and attend over it.
     """
     attn = layer.self_attn
     n = x.shape[1]
@@ -160,7 +164,12 @@ def decoder_layer_step(layer: torch.nn.Module, x: torch.Tensor, cos: torch.Tenso
     if hasattr(attn, "q_norm"):  # Qwen3 normalises each head before rotary
         q, k = attn.q_norm(q), attn.k_norm(k)
     q, k = apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-    keys, values = cache.write(index, k, v.transpose(1, 2))
+    if slots is None:
+        keys, values = cache.write(index, k, v.transpose(1, 2))
+    else:
+        keys, values = cache.keys[index], cache.values[index]
+        keys.index_copy_(2, slots, k)
+        values.index_copy_(2, slots, v.transpose(1, 2))
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal and mask is None,
                                          scale=attn.scaling, enable_gqa=True)
     x = x + attn.o_proj(out.transpose(1, 2).reshape(1, n, -1))

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from specula.chat import end_of_turn_ids
+from specula.compiled_step import CompiledStep
 from specula.errors import SpeculaError
 from specula.model_source import gguf_source, model_name, resolve_model
 from specula.profile import load_profile
@@ -58,7 +59,7 @@ class ForwardOutput:
     hidden: torch.Tensor | None = None
     layer_inputs: dict[int, torch.Tensor] = field(default_factory=dict)
 
-    def select(self, rows: list[int] | torch.Tensor) -> ForwardOutput:
+    def select(self, rows: list[int] | torch.Tensor | slice) -> ForwardOutput:
         """The same output restricted to ``rows`` of the block."""
         return ForwardOutput(
             self.logits[rows],
@@ -251,6 +252,15 @@ class Target:
         loaded.weights, loaded.weights_report = weights, report
         return loaded
 
+    def compile(self) -> None:
+        """Run blocks of up to 64 tokens (decode and verify steps) compiled by `torch.compile`, with static
+        shapes (`specula.compiled_step`); longer blocks (prefills) stay eager. Each new shape compiles once."""
+        if not isinstance(self.runtime, _LlamaFamilyRuntime):
+            raise SpeculaError(f"a compiled step needs a Llama-family target ({', '.join(sorted(LLAMA_FAMILY))}); "
+                               f"{self.name} is {self.config.model_type}")
+        if self.runtime.compiled is None:
+            self.runtime.compiled = CompiledStep(self.runtime)
+
     @property
     def length(self) -> int:
         """Number of committed tokens in the cache."""
@@ -312,6 +322,7 @@ class _LlamaFamilyRuntime:
         mistral_window = getattr(config, "sliding_window", None) if config.model_type == "mistral" else None
         self.windows = [getattr(layer.self_attn, "sliding_window", None) or mistral_window for layer in self.layers]
         self.fused = [FusedProjections(layer) for layer in self.layers]
+        self.compiled: CompiledStep | None = None  # set by Target.compile
 
     def _fused(self, i: int) -> FusedProjections:
         """Layer i's stacked projections, rebuilt if its linears were replaced since (a later requantization)."""
@@ -333,18 +344,27 @@ class _LlamaFamilyRuntime:
         self.cache.commit(keep)
 
     def forward(self, tokens, positions, block_mask, features: FeatureRequest) -> ForwardOutput:
-        base = self.model.model
+        if self.compiled is not None and self.compiled.accepts(tokens.shape[0]):
+            return self.compiled(tokens, positions, block_mask, features)
         prefix = self.cache.length
-        x = base.embed_tokens(tokens[None])
-        cos, sin = base.rotary_emb(x, positions[None])
         masks = {w: block_attention_mask(prefix, positions, block_mask, w) for w in set(self.windows)}
         causal = block_mask is None and prefix == 0
+        fused = [self._fused(i) for i in range(len(self.layers))]
+        return self.run(tokens, positions, masks, causal, features, fused)
+
+    def run(self, tokens, positions, masks: dict, causal: bool, features: FeatureRequest, fused: list,
+            slots: torch.Tensor | None = None) -> ForwardOutput:
+        """The decoder over a block: ``masks`` per attention window (`block_attention_mask`), ``slots`` as in
+        `decoder_layer_step`. Plain tensor code from embedding to logits, so that it compiles whole."""
+        base = self.model.model
+        x = base.embed_tokens(tokens[None])
+        cos, sin = base.rotary_emb(x, positions[None])
         layer_inputs = {}
         for i, layer in enumerate(self.layers):
             if i in features.layer_inputs:
                 layer_inputs[i] = x[0]
             x = decoder_layer_step(layer, x, cos, sin, self.cache, i, masks[self.windows[i]], causal, self.apply_rope,
-                                   fused=self._fused(i))
+                                   fused=fused[i], slots=slots)
         hidden = base.norm(x)[0]
         logits = self.model.lm_head(hidden)
         return ForwardOutput(logits, hidden if features.final_hidden else None, layer_inputs)

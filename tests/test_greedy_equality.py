@@ -41,6 +41,15 @@ def test_greedy_output_equals_transformers_generate(method, reference_outputs):
         assert drafted > 0, f"{method} never accepted a draft token, so the test proved nothing"
 
 
+def test_compiled_target_decodes_what_transformers_generate_decodes(reference_outputs):
+    """With the target's steps compiled (float32: Inductor only reorders sums), a method still decodes
+    `transformers`' greedy output."""
+    speculator = specula.load(STORIES, method="pld", dtype="float32", compile=True, num_tokens=1)
+    assert speculator.target.runtime.compiled is not None
+    for prompt, expected in zip(STORY_PROMPTS, reference_outputs, strict=True):
+        assert speculator.generate(prompt, max_new_tokens=NEW_TOKENS).token_ids == expected
+
+
 def test_stream_yields_the_same_tokens_as_generate():
     speculator = specula.load(STORIES, method="sps", draft=LLAMA2XS, dtype="float32")
     whole = speculator.generate(STORY_PROMPTS[0], max_new_tokens=40)

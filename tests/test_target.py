@@ -6,6 +6,7 @@ import pytest
 import torch
 from conftest import tiny_model
 
+from specula.errors import SpeculaError
 from specula.target import FeatureRequest, Target
 from specula.tree import DraftTree
 
@@ -150,3 +151,39 @@ def test_decoding_past_the_first_kv_allocation_gives_the_logits_of_a_cache_alloc
     assert torch.equal(grown, up_front)
     reference = model(torch.cat([prompt, torch.tensor(tokens[:-1])])[None]).logits[0, -1]
     torch.testing.assert_close(grown[-1], reference, atol=TREE_ATOL, rtol=0)
+
+
+def test_compiled_steps_compute_what_eager_steps_compute():
+    """Decode, chain and tree blocks (padded to the compiled sizes) give the eager step's logits, features and
+    cache: float32 here, where only Inductor's summation order differs."""
+    model = tiny_model("llama", seed=2)
+    eager, compiled = Target(model), Target(model)
+    compiled.compile()
+    features = FeatureRequest(final_hidden=True, layer_inputs=(1,))
+    prompt = torch.randint(0, 97, (20,), generator=torch.Generator().manual_seed(4))
+    for target in (eager, compiled):
+        target.prefill(prompt)
+    tree = random_tree(7, 97, seed=5)
+    blocks = [(torch.tensor([3]), None, None, [0]), (torch.tensor([5, 8, 13]), None, None, [0, 1, 2]),
+              (tree.tokens, tree.ancestor_mask(), tree.depths, [0, 2, 5])]
+    for tokens, mask, depths, keep in blocks:
+        outs = [target.forward(tokens, mask, depths, features) for target in (eager, compiled)]
+        assert torch.allclose(outs[0].logits, outs[1].logits, atol=1e-5)
+        assert torch.allclose(outs[0].hidden, outs[1].hidden, atol=1e-5)
+        assert torch.allclose(outs[0].layer_inputs[1], outs[1].layer_inputs[1], atol=1e-5)
+        for target in (eager, compiled):
+            target.commit(keep)
+    assert eager.length == compiled.length == 20 + 1 + 3 + 3
+    end = eager.length
+    for layer in range(3):
+        assert torch.allclose(eager.runtime.cache.keys[layer][:, :, :end],
+                              compiled.runtime.cache.keys[layer][:, :, :end], atol=1e-5)
+
+
+def test_compiling_a_target_outside_the_llama_family_is_one_clear_error():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("gpt2", vocab_size=97, n_embd=32, n_layer=1, n_head=2, n_positions=64)
+    target = Target(AutoModelForCausalLM.from_config(config).eval())
+    with pytest.raises(SpeculaError, match="compiled step needs a Llama-family target"):
+        target.compile()

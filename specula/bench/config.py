@@ -49,7 +49,7 @@ HF_METHODS = {
 }
 BENCH_KEYS = {"target", "methods", "data", "category", "temperature", "max_new_tokens", "limit", "seed", "out",
               "dtype", "device", "threads", "top_p", "top_k", "max_prompt_tokens", "warmup_tokens", "llama_server",
-              "weights"}
+              "weights", "compile"}
 
 
 @dataclass

@@ -44,8 +44,8 @@ from specula.weights import resolve_weights
 
 RESULTS_VERSION = 1
 # Settings that must match for a resumed run to be comparable with what is already in results.json.
-RESUME_KEYS = ("target", "dtype", "weights", "device", "threads", "max_new_tokens", "max_prompt_tokens", "seed",
-               "top_k", "top_p")
+RESUME_KEYS = ("target", "dtype", "weights", "compile", "device", "threads", "max_new_tokens", "max_prompt_tokens",
+               "seed", "top_k", "top_p")
 
 
 @dataclass
@@ -60,6 +60,7 @@ class BenchSettings:
     seed: int = 0
     dtype: str = "auto"
     weights: str = "auto"  # the target's linear weights (`specula.weights`), for every method alike
+    compile: bool = False  # the target's steps through torch.compile (`Target.compile`), for our methods alike
     device: str = "cpu"
     threads: int | None = None
     top_p: float = 1.0
@@ -258,6 +259,8 @@ def _run_bench(settings: BenchSettings, resources: contextlib.ExitStack) -> dict
     # auto: the format calibration chose in the profile this run uses (none with --no-profile: float32).
     weights = resolve_weights(settings.weights, settings.profile, settings.device)
     target = Target.load(settings.target, dtype=settings.dtype, device=settings.device, weights=weights)
+    if settings.compile:
+        target.compile()
     target_rss = rss_mb() - rss_before
     dtype_name = str(target.dtype).removeprefix("torch.")
     runners, load_rss = {}, {}
@@ -281,7 +284,8 @@ def _run_bench(settings: BenchSettings, resources: contextlib.ExitStack) -> dict
                            f"{settings.max_new_tokens} do not fit the {context}-token context of {smallest}")
     run_settings = {
         "target": target.name, "target_path": str(settings.target),
-        "dtype": dtype_name, "weights": target.weights, "device": str(target.device), "threads": threads,
+        "dtype": dtype_name, "weights": target.weights, "compile": settings.compile, "device": str(target.device),
+        "threads": threads,
         "max_new_tokens": settings.max_new_tokens, "max_prompt_tokens": max_prompt_tokens, "seed": settings.seed,
         "top_k": settings.top_k, "top_p": settings.top_p, "temperatures": settings.temperatures,
         "data": settings.data, "categories": settings.categories, "limit": settings.limit,

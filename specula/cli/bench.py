@@ -21,7 +21,7 @@ from specula.bench.questions import load_questions, read_questions
 from specula.bench.suite import BenchSettings, run_bench
 from specula.bench.vanilla_vs_hf import DEFAULT_PROMPTS, read_prompts
 from specula.bench.vanilla_vs_hf import run as vanilla_vs_hf
-from specula.cli.common import DTYPE_CHOICES, add_weights_argument, device_name, positive_int
+from specula.cli.common import DTYPE_CHOICES, add_compile_argument, add_weights_argument, device_name, positive_int
 from specula.errors import SpeculaError
 from specula.methods import DEFAULT_TARGET, METHODS, resolve_draft
 from specula.model_source import model_name
@@ -49,6 +49,12 @@ def _floats(value, name: str) -> list[float]:
         return [float(v) for v in items]
     except (TypeError, ValueError) as err:
         raise SpeculaError(f"{name} must be numbers, got {value!r}") from err
+
+
+def _flag(value, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise SpeculaError(f"{name} must be true or false, got {value!r}")
+    return value
 
 
 def _int(value, name: str, minimum: int | None = 1) -> int | None:
@@ -99,6 +105,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=DTYPE_CHOICES, help="(default: auto, as stored)")
     p.add_argument("--device", type=device_name, help="torch device (default: cpu)")
     add_weights_argument(p, default=None)  # every row (transformers baselines too) runs on the same target weights
+    add_compile_argument(p, default=None)
     p.add_argument("--threads", type=positive_int, metavar="N",
                    help="torch threads, fixed for the run (default: torch's current setting)")
     p.add_argument("--warmup-tokens", type=positive_int, metavar="N", help="warm-up length per method (default 16)")
@@ -177,7 +184,8 @@ def bench_settings(args: argparse.Namespace):
     settings = BenchSettings(
         target=target, methods=specs, data=data, questions=questions, out=Path(out), temperatures=temperatures,
         max_new_tokens=_int(pick("max_new_tokens", 128), "max_new_tokens"), seed=int(pick("seed", 0)),
-        dtype=str(pick("dtype", "auto")), weights=weights, device=device, threads=_int(pick("threads"), "threads"),
+        dtype=str(pick("dtype", "auto")), weights=weights, compile=_flag(pick("compile", False), "compile"),
+        device=device, threads=_int(pick("threads"), "threads"),
         top_p=top_p, top_k=top_k, max_prompt_tokens=_int(pick("max_prompt_tokens"), "max_prompt_tokens"),
         warmup_tokens=_int(pick("warmup_tokens", 16), "warmup_tokens"), categories=categories, limit=limit,
         profile=profile, progress=not args.no_progress, llama_server=llama_server,
@@ -196,7 +204,7 @@ def canonical_command(settings) -> str:
         parts += ["--limit", str(settings.limit)]
     parts += ["--temperature", ",".join(f"{t:g}" for t in settings.temperatures),
               "--max-new-tokens", str(settings.max_new_tokens), "--seed", str(settings.seed),
-              "--dtype", settings.dtype, "--weights", settings.weights]
+              "--dtype", settings.dtype, "--weights", settings.weights] + ["--compile"] * settings.compile
     if settings.threads:
         parts += ["--threads", str(settings.threads)]
     if settings.max_prompt_tokens:

@@ -37,6 +37,6 @@ def run_chat_command(args: argparse.Namespace) -> int:
     check_seed(args.seed)
     speculator = build_speculator(args.target, method=args.method, draft=args.draft, dtype=args.dtype,
                                   device=args.device, profile=not args.no_profile, weights=args.weights,
-                                  **method_options(args))
+                                  compile=args.compile, **method_options(args))
     return run_chat(speculator, sys.stdin, sys.stdout, system=args.system, max_new_tokens=args.max_new_tokens,
                     temperature=args.temperature, top_p=args.top_p, seed=args.seed)

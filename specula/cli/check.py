@@ -58,6 +58,7 @@ def run_check(args: argparse.Namespace) -> int:
                    max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                    top_k=args.top_k, samples=args.samples, prefixes=args.prefixes, tokens=args.tokens,
                    seed=args.seed, alpha=args.alpha, dtype=args.dtype, device=args.device,
-                   profile=not args.no_profile, weights=args.weights, **method_options(args))
+                   profile=not args.no_profile, weights=args.weights, compile=args.compile,
+                   **method_options(args))
     print(json.dumps(report.as_dict()) if args.json else report.table())
     return report.exit_code

@@ -73,6 +73,16 @@ def add_weights_argument(p: argparse.ArgumentParser, default: str | None = "auto
                         f"lossless ones on this machine ({AUTO_FORMAT} until it has run) (default: auto)")
 
 
+COMPILE_HELP = ("compile the target's decode and verify steps with torch.compile (Llama-family targets): "
+                "faster steps after a one-off compilation of about a minute per block size on a small CPU, so "
+                "it pays off on long runs (bench, serve), not on one short answer")
+
+
+def add_compile_argument(p: argparse.ArgumentParser, default: bool | None = False) -> None:
+    """``--compile``; ``default`` None lets a config file supply it (bench)."""
+    p.add_argument("--compile", action="store_const", const=True, default=default, help=COMPILE_HELP)
+
+
 def add_method_arguments(p: argparse.ArgumentParser) -> None:
     """Every method option of the registry as a flag (value checked by the registry), plus acceptance."""
     options = p.add_argument_group("method options (each applies only to the methods named)")
@@ -114,3 +124,4 @@ def add_model_arguments(p: argparse.ArgumentParser, default_target: Path, method
     p.add_argument("--no-profile", action="store_true",
                    help="ignore the hardware profile `specula calibrate` wrote for this target")
     add_weights_argument(p)
+    add_compile_argument(p)

@@ -66,7 +66,7 @@ def run_generate(args: argparse.Namespace) -> int:
     check_seed(args.seed)
     speculator = build_speculator(args.target, method=args.method, draft=args.draft, dtype=args.dtype,
                                   device=args.device, profile=not args.no_profile, weights=args.weights,
-                                  **method_options(args))
+                                  compile=args.compile, **method_options(args))
     # Warn only once loading has accepted the options, so bad input stays a single error line.
     if not speculator.lossless and args.temperature > 0:
         print(f"{PROG}: warning: --acceptance typical is lossy: at temperature > 0 the output is not distributed "

@@ -67,7 +67,7 @@ def run_serve(args: argparse.Namespace) -> int:
               file=sys.stderr)
     speculator = build_speculator(args.target, method=args.method, draft=args.draft, dtype=args.dtype,
                                   device=args.device, profile=not args.no_profile, weights=args.weights,
-                                  **method_options(args))
+                                  compile=args.compile, **method_options(args))
     settings = ServeSettings(model_name=args.model_name, api_key=args.api_key, max_queue=args.max_queue,
                              max_tokens_limit=args.max_tokens_limit)
     serve(create_app(speculator, settings), host=args.host, port=args.port, log_level=args.log_level)
