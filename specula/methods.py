@@ -264,7 +264,8 @@ DEFAULT_HEADS: dict[Path, dict[str, Path]] = {
                              "eagle3": MODELS / "eagle3-pycoder-25m", "medusa": MODELS / "medusa-pycoder-25m",
                              "ada": MODELS / "eagle-pycoder-25m"},  # its LDLP lives in ldlp/
     DEFAULT_TARGET: {"eagle": MODELS / "eagle-smollm2-135m", "eagle2": MODELS / "eagle-smollm2-135m",
-                     "eagle3": MODELS / "eagle3-smollm2-135m", "ada": MODELS / "eagle-smollm2-135m"},
+                     "eagle3": MODELS / "eagle3-smollm2-135m", "ada": MODELS / "eagle-smollm2-135m",
+                     "medusa": MODELS / "medusa-smollm2-135m"},
 }
 
 

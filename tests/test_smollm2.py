@@ -48,8 +48,8 @@ def transformers_outputs(smollm2) -> dict[str, list[int]]:
     return outputs
 
 
-# eagle, eagle2, eagle3, ada: the bundled heads (and LDLP), found without --draft
-@pytest.mark.parametrize("method", ["vanilla", "pld", "eagle", "eagle2", "eagle3", "ada"])
+# eagle, eagle2, eagle3, medusa, ada: the bundled heads (and LDLP), found without --draft
+@pytest.mark.parametrize("method", ["vanilla", "pld", "eagle", "eagle2", "eagle3", "medusa", "ada"])
 def test_greedy_output_equals_transformers_generate_on_the_gguf_model(smollm2, transformers_outputs, method):
     target = smollm2.speculator.target
     speculator = build_speculator(target, method, profile=False)
