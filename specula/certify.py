@@ -248,4 +248,6 @@ def _precision(target) -> str:
     """How the report names the target's numbers: its dtype, and the weight format when that is not the dtype."""
     dtype = str(target.dtype).removeprefix("torch.")
     weights = getattr(target, "weights", None)
-    return dtype if weights in (None, dtype) else f"{weights} weights ({str(compute_dtype(target))[6:]} kernels)"
+    named = dtype if weights in (None, dtype) else f"{weights} weights ({str(compute_dtype(target))[6:]} kernels)"
+    # A compiled step rounds differently from the eager one: it is part of what was checked.
+    return named + (", compiled step" if getattr(target.runtime, "compiled", None) is not None else "")
