@@ -497,6 +497,13 @@ def test_bench_weights_from_a_config_file_are_checked(tmp_path, story_questions)
         run_command(*bench_args(story_questions, tmp_path / "out", "--config", config))
 
 
+def test_bench_compile_from_a_config_file_must_be_true_or_false(tmp_path, story_questions):
+    config = tmp_path / "bench.toml"
+    config.write_text('[bench]\ncompile = "yes"\n')
+    with pytest.raises(SpeculaError, match="compile must be true or false, got 'yes'"):
+        run_command(*bench_args(story_questions, tmp_path / "out", "--config", config))
+
+
 def test_calibrate_records_the_weight_format_and_keeps_formats_apart(tmp_path, story_questions):
     out = tmp_path / "profile.json"
     common = ["calibrate", "--target", STORIES, "--data", story_questions, "--prompts", 1, "--max-new-tokens", 8,
