@@ -20,6 +20,8 @@ Two runtimes share this contract:
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -258,6 +260,11 @@ class Target:
         if not isinstance(self.runtime, _LlamaFamilyRuntime):
             raise SpeculaError(f"a compiled step needs a Llama-family target ({', '.join(sorted(LLAMA_FAMILY))}); "
                                f"{self.name} is {self.config.model_type}")
+        compilers = (os.environ.get("CXX") or "g++", "g++", "clang++", "c++")
+        if self.device.type == "cpu" and not any(shutil.which(name) for name in compilers):
+            # Inductor writes C++ for a CPU and would fail at the first step with a long traceback.
+            raise SpeculaError("a compiled step on a CPU needs a C++ compiler on PATH (g++, clang++ or $CXX) for "
+                               "torch.compile; install one or leave out --compile")
         if self.runtime.compiled is None:
             self.runtime.compiled = CompiledStep(self.runtime)
 

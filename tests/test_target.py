@@ -187,3 +187,9 @@ def test_compiling_a_target_outside_the_llama_family_is_one_clear_error():
     target = Target(AutoModelForCausalLM.from_config(config).eval())
     with pytest.raises(SpeculaError, match="compiled step needs a Llama-family target"):
         target.compile()
+
+
+def test_compiling_on_a_cpu_without_a_cpp_compiler_is_one_clear_error(monkeypatch):
+    monkeypatch.setattr("shutil.which", lambda name: None)
+    with pytest.raises(SpeculaError, match="needs a C\\+\\+ compiler on PATH"):
+        Target(tiny_model("llama")).compile()
