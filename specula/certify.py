@@ -250,4 +250,4 @@ def _precision(target) -> str:
     weights = getattr(target, "weights", None)
     named = dtype if weights in (None, dtype) else f"{weights} weights ({str(compute_dtype(target))[6:]} kernels)"
     # A compiled step rounds differently from the eager one: it is part of what was checked.
-    return named + (", compiled step" if getattr(target.runtime, "compiled", None) is not None else "")
+    return named + (", compiled step" if getattr(target, "compiled", False) else "")

@@ -29,6 +29,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from specula.static_cache import block_attention_mask
+
 BLOCK_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 CACHE_STEP = 1024  # KV slots: the compiled step's cache grows in these steps (each size compiles anew)
 
@@ -63,17 +65,17 @@ class CompiledStep:
         slots = torch.arange(prefix, prefix + padded, device=device)
         tokens = F.pad(tokens, (0, padded - n))
         positions = torch.cat([positions, positions.new_full((padded - n,), prefix)])
+        # The block's rows see what the eager step's mask lets them see; None here is one token after a
+        # prefix (prefills never come here), which sees everything before it.
         mask = torch.zeros(padded, cache.allocated, dtype=torch.bool, device=device)
-        mask[:n, :prefix] = True
-        mask[:n, prefix:prefix + n] = (torch.ones(n, n, dtype=torch.bool, device=device).tril()
-                                       if block_mask is None else block_mask)
+        visible = block_attention_mask(prefix, positions[:n], block_mask)
+        mask[:n, :prefix + n] = True if visible is None else visible[0, 0]
         rows = torch.arange(n, padded, device=device)
         mask[rows, prefix + rows] = True  # a padding row sees only itself
-        for i in range(len(runtime.layers)):
-            runtime._fused(i)  # current stacks, before the graph reads them
+        runtime.refresh_fused()  # before the graph reads the stacks
         out = self.graph(tokens, slots, positions, mask[None, None], features)
         cache.block = n
         return out.select(slice(0, n))
 
     def _graph(self, tokens, slots, positions, mask, features):
-        return self.runtime.run(tokens, positions, {None: mask}, False, features, self.runtime.fused, slots)
+        return self.runtime.run(tokens, positions, {None: mask}, False, features, slots)

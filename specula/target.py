@@ -260,13 +260,18 @@ class Target:
         if not isinstance(self.runtime, _LlamaFamilyRuntime):
             raise SpeculaError(f"a compiled step needs a Llama-family target ({', '.join(sorted(LLAMA_FAMILY))}); "
                                f"{self.name} is {self.config.model_type}")
-        compilers = (os.environ.get("CXX") or "g++", "g++", "clang++", "c++")
+        compilers = [name for name in (os.environ.get("CXX"), "g++", "clang++", "c++") if name]
         if self.device.type == "cpu" and not any(shutil.which(name) for name in compilers):
             # Inductor writes C++ for a CPU and would fail at the first step with a long traceback.
             raise SpeculaError("a compiled step on a CPU needs a C++ compiler on PATH (g++, clang++ or $CXX) for "
                                "torch.compile; install one or leave out --compile")
         if self.runtime.compiled is None:
             self.runtime.compiled = CompiledStep(self.runtime)
+
+    @property
+    def compiled(self) -> bool:
+        """Whether decode and verify steps run compiled (`compile`)."""
+        return getattr(self.runtime, "compiled", None) is not None
 
     @property
     def length(self) -> int:
@@ -331,11 +336,11 @@ class _LlamaFamilyRuntime:
         self.fused = [FusedProjections(layer) for layer in self.layers]
         self.compiled: CompiledStep | None = None  # set by Target.compile
 
-    def _fused(self, i: int) -> FusedProjections:
-        """Layer i's stacked projections, rebuilt if its linears were replaced since (a later requantization)."""
-        if not self.fused[i].built_from(self.layers[i]):
-            self.fused[i] = FusedProjections(self.layers[i])
-        return self.fused[i]
+    def refresh_fused(self) -> None:
+        """Rebuild the stacked projections of any layer whose linears were replaced (a later requantization)."""
+        for i, layer in enumerate(self.layers):
+            if not self.fused[i].built_from(layer):
+                self.fused[i] = FusedProjections(layer)
 
     @property
     def length(self) -> int:
@@ -356,13 +361,14 @@ class _LlamaFamilyRuntime:
         prefix = self.cache.length
         masks = {w: block_attention_mask(prefix, positions, block_mask, w) for w in set(self.windows)}
         causal = block_mask is None and prefix == 0
-        fused = [self._fused(i) for i in range(len(self.layers))]
-        return self.run(tokens, positions, masks, causal, features, fused)
+        self.refresh_fused()
+        return self.run(tokens, positions, masks, causal, features)
 
-    def run(self, tokens, positions, masks: dict, causal: bool, features: FeatureRequest, fused: list,
+    def run(self, tokens, positions, masks: dict, causal: bool, features: FeatureRequest,
             slots: torch.Tensor | None = None) -> ForwardOutput:
         """The decoder over a block: ``masks`` per attention window (`block_attention_mask`), ``slots`` as in
-        `decoder_layer_step`. Plain tensor code from embedding to logits, so that it compiles whole."""
+        `decoder_layer_step`; the stacked projections as `refresh_fused` left them. Plain tensor code from
+        embedding to logits, so that it compiles whole."""
         base = self.model.model
         x = base.embed_tokens(tokens[None])
         cos, sin = base.rotary_emb(x, positions[None])
@@ -371,7 +377,7 @@ class _LlamaFamilyRuntime:
             if i in features.layer_inputs:
                 layer_inputs[i] = x[0]
             x = decoder_layer_step(layer, x, cos, sin, self.cache, i, masks[self.windows[i]], causal, self.apply_rope,
-                                   fused=fused[i], slots=slots)
+                                   fused=self.fused[i], slots=slots)
         hidden = base.norm(x)[0]
         logits = self.model.lm_head(hidden)
         return ForwardOutput(logits, hidden if features.final_hidden else None, layer_inputs)
