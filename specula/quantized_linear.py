@@ -12,6 +12,8 @@ stored in it, the input is cast to it and the output cast back to the input's dt
   ``_weight_int4pack_mm`` (bfloat16 only) on a GPU. The CPU kernel needs N to be a
   multiple of 16 and K of the group size: weights are padded (and inputs, when K is not) and
   the padding is sliced off the output.
+- `Q4_1Linear`: the same groups as GGUF Q4_1 blocks, multiplied by our own CPU kernel with 8-bit
+  activations (`specula.kernels.q4_1`, llama.cpp's arithmetic).
 - `BFloat16Linear`: the weight cast to bfloat16, the input cast to it for the matmul.
 
 Both CPU kernels accept float32, float16 and bfloat16, but on a CPU without AVX-512 (this
@@ -191,6 +193,54 @@ class Int4Linear(nn.Module):
                 f"{self.group_size}, computed in {self.compute_dtype}")
 
 
+class Q4_1Linear(nn.Module):
+    """y = x @ W.T + bias with W in GGUF Q4_1 blocks and x rounded to 8-bit codes per 32 (`specula.kernels.q4_1`).
+
+    The weight is the `Int4Groups` it is made from, stored as Q4_1 blocks: w = q * d + m per 32 inputs,
+    d = scale and m = zero - 8 * scale (computed in float64 and rounded once, so a GGUF Q4_1 block's own
+    minimum comes back to within one float32 rounding, and a Q4_0 block's exactly). Each call rounds every
+    32 inputs of each row to int8 codes (scale max|x| / 127), as llama.cpp does on a CPU: the result is
+    not x @ W.T in float32 but a row-independent integer computation whose rounding is of the order of
+    bfloat16's, so it reports ``compute_dtype`` bfloat16 for the near-tie tolerance (`specula.divergence`).
+    The kernel is CPU (AVX2) only; the result is float32, cast to x's dtype.
+    """
+
+    compute_dtype = torch.bfloat16
+
+    def __init__(self, groups: Int4Groups, bias: torch.Tensor | None):
+        super().__init__()
+        from specula.kernels import q4_1
+
+        self._op = q4_1.load()
+        if groups.group_size != GROUP_SIZE:
+            raise ValueError(f"q4_1 blocks span {GROUP_SIZE} inputs, not {groups.group_size}")
+        n, kp = groups.q.shape
+        self.out_features, self.in_features, self.padded_in = n, groups.in_features, kp
+        codes = groups.q.to(torch.uint8).reshape(n, kp // GROUP_SIZE, 2, GROUP_SIZE // 2)
+        self.register_buffer("qs", (codes[:, :, 0] | codes[:, :, 1] << 4).reshape(n, kp // 2).contiguous())
+        self.register_buffer("d", groups.scale.float().contiguous())
+        self.register_buffer("m", (groups.zero.double() - 8 * groups.scale.double()).float().contiguous())
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> Q4_1Linear:
+        return cls(int4_groups(linear.weight), linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] → [..., N] in x's dtype."""
+        flat = x.reshape(-1, self.in_features).float()
+        if self.padded_in != self.in_features:
+            flat = F.pad(flat, (0, self.padded_in - self.in_features))
+        y = self._op(flat.contiguous(), self.qs, self.d, self.m).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, Q4_1 blocks of {GROUP_SIZE}, "
+                f"8-bit activations")
+
+
 class BFloat16Linear(nn.Module):
     """y = x @ W.T + bias with W stored in bfloat16; the matmul runs in bfloat16, the result in x's dtype."""
 
@@ -226,7 +276,8 @@ def dequantized_weight(module: nn.Module) -> torch.Tensor:
 # then see views of the stack) and tensors whose dim 1 does (concatenated as copies: the kernels want them
 # contiguous, and they are the small ones, the int4 scales).
 _ROW_TENSORS = {nn.Linear: ("weight", "bias"), BFloat16Linear: ("weight", "bias"),
-                Int8Linear: ("qweight", "scales", "bias"), Int4Linear: ("packed", "bias")}
+                Int8Linear: ("qweight", "scales", "bias"), Int4Linear: ("packed", "bias"),
+                Q4_1Linear: ("qs", "d", "m", "bias")}
 _COLUMN_TENSORS = {Int4Linear: ("scale_and_zero",)}
 
 

@@ -41,7 +41,7 @@ from specula.static_cache import (
     rotary_function,
 )
 from specula.streamed_load import load_converted
-from specula.weights import quantize_linear_weights, resolve_weights
+from specula.weights import GROUPED_FORMATS, quantize_linear_weights, resolve_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LLAMA_FAMILY = {"llama", "mistral", "qwen2", "qwen3"}
@@ -242,12 +242,12 @@ class Target:
              gguf_blocks: bool = True) -> Target:
         """Load a target; ``weights`` is the format of its linears, LM head included (`specula.weights`).
 
-        gguf_blocks: when the target is a GGUF file with Q4_0/Q4_1 tensors and ``weights`` is int4, use the
+        gguf_blocks: when the target is a GGUF file with Q4_0/Q4_1 tensors and ``weights`` is int4 or q4_1, use the
         file's own blocks rather than requantizing their dequantized values.
         """
         # An unknown format fails before the model loads; auto is the hardware profile's measured choice.
         weights = resolve_weights(weights, load_profile(model_name(path)) if weights == "auto" else None, device)
-        source = gguf_source(path) if gguf_blocks and weights == "int4" else None
+        source = gguf_source(path) if gguf_blocks and weights in GROUPED_FORMATS else None
         model, tokenizer, report = load_converted_lm(path, dtype, device, role, weights, source)
         loaded = cls(model, tokenizer, max_length, name=model_name(path))
         loaded.path = Path(path)  # where it came from: bundled heads are found by it

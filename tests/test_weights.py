@@ -21,6 +21,7 @@ from specula.quantized_linear import (
     BFloat16Linear,
     Int4Linear,
     Int8Linear,
+    Q4_1Linear,
     dequantized_weight,
     fuse_outputs,
     int4_groups,
@@ -117,11 +118,11 @@ def _linears(fmt: str, rows: list[int], width: int = 64, bias: bool = False) -> 
     torch.manual_seed(1)
     plain = [torch.nn.Linear(width, n, bias=bias).requires_grad_(False) for n in rows]
     convert = {"float32": lambda m: m, "bfloat16": BFloat16Linear, "int8": Int8Linear.from_linear,
-               "int4": Int4Linear.from_linear}[fmt]
+               "int4": Int4Linear.from_linear, "q4_1": Q4_1Linear.from_linear}[fmt]
     return [convert(m) for m in plain]
 
 
-@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8", "int4"])
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8", "int4", "q4_1"])
 @pytest.mark.parametrize("tokens", [1, 4, 16])
 def test_fused_projections_equal_the_separate_ones_bit_for_bit(fmt, tokens):
     """Stacked q/k/v-like linears give exactly the parts' outputs, and the parts still give them after, from
@@ -229,6 +230,19 @@ def test_int4_target_from_a_gguf_carries_its_blocks(quantized_gguf):
             assert (applied - expected).abs().max() <= 1e-6 * expected.abs().max(), name
 
 
+def test_q4_1_target_from_a_gguf_carries_its_blocks(quantized_gguf):
+    """q4_1 takes the file's blocks like int4 does, and its kernel applies the file's weights."""
+    reader = gguf.GGUFReader(str(quantized_gguf))
+    file_weights = {t.name: torch.tensor(gguf.quants.dequantize(t.data, t.tensor_type)) for t in reader.tensors}
+    target = Target.load(quantized_gguf, weights="q4_1")
+    assert len(target.weights_report.carried) == 15 and not target.weights_report.requantized
+    for name, module in [("attn_v", "self_attn.v_proj"), ("ffn_down", "mlp.down_proj")]:
+        expected = file_weights[f"blk.1.{name}.weight"]
+        applied = dequantized_weight(target.model.get_submodule(f"model.layers.1.{module}"))
+        # An input row of the identity is one code of 127 with scale 1/127: exact to a float32 rounding or two.
+        assert (applied - expected).abs().max() <= 1e-6 * expected.abs().max(), name
+
+
 def test_gguf_blocks_can_be_left_out_and_the_lm_head_carried(quantized_gguf):
     requantized = Target.load(quantized_gguf, weights="int4", gguf_blocks=False).weights_report
     assert not requantized.carried and len(requantized.requantized) == 15
@@ -272,7 +286,7 @@ def test_formats_change_only_the_decoder_linears():
 # ---------------------------------------------------------------- greedy equality with the same weights
 
 
-@pytest.fixture(scope="module", params=["int8", "int4"])
+@pytest.fixture(scope="module", params=["int8", "int4", "q4_1"])
 def quantized_stories(request, single_thread):
     """(format, vanilla speculator on stories260k in that format, its outputs per story prompt)."""
     vanilla = specula.load(STORIES, weights=request.param, dtype="float32")
@@ -303,7 +317,8 @@ def test_vanilla_equals_transformers_generate_with_the_same_weights(quantized_st
         ids = vanilla.encode(prompt)[None]
         return model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)[0, ids.shape[1]:].tolist()
 
-    assert isinstance(model.model.layers[0].self_attn.q_proj, Int8Linear if fmt == "int8" else Int4Linear)
+    assert isinstance(model.model.layers[0].self_attn.q_proj,
+                      {"int8": Int8Linear, "int4": Int4Linear, "q4_1": Q4_1Linear}[fmt])
     assert_equal_or_near_ties(vanilla, outputs, hf_generate)
 
 
@@ -388,7 +403,7 @@ def test_a_bad_weights_value_is_one_error_line(capfd):
     assert len(err.splitlines()) == 1 and err.startswith("specula: error: ") and "--weights" in err, err
 
 
-@pytest.mark.parametrize("fmt, module", [("int8", Int8Linear), ("int4", Int4Linear)])
+@pytest.mark.parametrize("fmt, module", [("int8", Int8Linear), ("int4", Int4Linear), ("q4_1", Q4_1Linear)])
 def test_a_loaded_target_has_its_lm_head_in_the_format_and_its_embedding_float(fmt, module):
     """The LM head is the largest matrix read per token (a third of an int4 step on SmolLM2)."""
     target = specula.load(STORIES, weights=fmt, dtype="float32").target

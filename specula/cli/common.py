@@ -68,9 +68,11 @@ def add_weights_argument(p: argparse.ArgumentParser, default: str | None = "auto
     """
     p.add_argument("--weights", choices=WEIGHT_FORMATS, default=default,
                    help="format of the target's linear weights: int8 and int4 are weight-only quantized (a "
-                        "different, smaller model, decoded losslessly); int4 from a Q4_0/Q4_1 GGUF uses the "
-                        "file's own blocks; auto is the format `specula calibrate` measured fastest among the "
-                        f"lossless ones on this machine ({AUTO_FORMAT} until it has run) (default: auto)")
+                        "different, smaller model, decoded losslessly); q4_1 is int4's model multiplied as llama.cpp "
+                        "does (8-bit activations; a kernel built on this machine, AVX2 CPUs); int4 and q4_1 from a "
+                        "Q4_0/Q4_1 GGUF use the file's own blocks; auto is the format `specula calibrate` measured "
+                        f"fastest among the lossless ones on this machine ({AUTO_FORMAT} until it has run) "
+                        "(default: auto)")
 
 
 COMPILE_HELP = ("compile the target's decode and verify steps with torch.compile (Llama-family targets): "

@@ -1,0 +1,79 @@
+"""The q4_1 kernel: built once per machine from ``q4_1.cpp`` with the C++ compiler, then loaded as a torch op.
+
+``torch.ops.specula.q4_1_linear(x float32 [M, K], qs uint8 [N, K/2], d float32 [N, K/32], m float32 [N, K/32])
+→ float32 [M, N]`` (the arithmetic is described in ``q4_1.cpp``). It needs an x86 CPU with AVX2 and FMA
+and a C++ compiler; the build (about 30 s) goes to ``~/.cache/specula/kernels`` (``SPECULA_CACHE``
+moves it) and is reused until the source or the torch version changes. `scripts/install.sh` builds it,
+so the first `--weights q4_1` run does not wait for the compiler.
+
+Why a kernel of our own: torch's int4 CPU kernel (``_weight_int4pack_mm_for_cpu``) multiplies in
+bfloat16 and costs 132 us for a 576 x 3072 weight and one token on a 2-core AVX2 EPYC, 546 us for 11
+tokens; this one takes 61 us and 356 us (`/work/scratch/q4k/bench.py` in the issue note), which is
+most of what separates a Specula step from llama.cpp's on such a machine.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from specula.errors import SpeculaError
+
+SOURCE = Path(__file__).with_name("q4_1.cpp")
+FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"]
+
+
+def build_directory() -> Path:
+    """Where the compiled kernel lives, per torch version (an extension is tied to the torch it was built for)."""
+    root = Path(os.environ.get("SPECULA_CACHE", Path.home() / ".cache" / "specula"))
+    return root / "kernels" / f"q4_1-torch{torch.__version__.replace('+', '-')}"
+
+
+def unavailable_reason(device: torch.device | str = "cpu") -> str | None:
+    """Why the kernel cannot run on ``device`` here (before trying to build it), or None."""
+    device = torch.device(device)
+    if device.type != "cpu":
+        return f"the q4_1 kernel runs on CPUs only, not on '{device}'"
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in ("AVX2", "AVX512"):
+        return f"the q4_1 kernel needs an x86 CPU with AVX2 (this CPU: {capability})"
+    if not any(shutil.which(c) for c in ("c++", "g++", "clang++")):
+        return "building the q4_1 kernel needs a C++ compiler (install g++)"
+    return None
+
+
+@functools.cache
+def load() -> torch._ops.OpOverloadPacket:
+    """The ``torch.ops.specula.q4_1_linear`` op, building it first if this machine has no build yet."""
+    reason = unavailable_reason()
+    if reason:
+        raise SpeculaError(reason)
+    from torch.utils.cpp_extension import load as load_extension
+
+    directory = build_directory()
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        load_extension(name="specula_q4_1", sources=[str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+                       build_directory=str(directory), is_python_module=False, verbose=False)
+    except (RuntimeError, OSError, ImportError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise SpeculaError(f"could not build the q4_1 kernel in {directory}: {first}") from err
+    op = torch.ops.specula.q4_1_linear
+
+    @torch.library.register_fake("specula::q4_1_linear")
+    def _shape(x, qs, d, m):  # lets torch.compile trace through the op
+        return x.new_empty(x.shape[0], qs.shape[0])
+
+    return op
+
+
+if __name__ == "__main__":  # `python -m specula.kernels.q4_1`: build now (scripts/install.sh), say what happened
+    try:
+        load()
+        print(f"q4_1 kernel ready in {build_directory()}")
+    except SpeculaError as err:
+        print(f"q4_1 weights unavailable on this machine: {err}")

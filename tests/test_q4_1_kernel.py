@@ -1,0 +1,79 @@
+"""The q4_1 kernel: llama.cpp's Q4_1 x Q8_1 arithmetic, row by row, whatever the number of rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specula.errors import SpeculaError
+from specula.kernels import q4_1
+from specula.quantized_linear import Q4_1Linear, int4_groups
+from specula.weights import check_available
+
+pytestmark = pytest.mark.skipif(q4_1.unavailable_reason() is not None,
+                                reason=f"q4_1 kernel unavailable here: {q4_1.unavailable_reason()}")
+
+
+def reference(x: torch.Tensor, module: Q4_1Linear) -> torch.Tensor:
+    """The documented arithmetic in float64: 8-bit codes per 32 inputs (round half to even), exact dot products."""
+    k = module.padded_in
+    x = torch.nn.functional.pad(x.float(), (0, k - x.shape[1])).reshape(x.shape[0], k // 32, 32)
+    amax = x.abs().amax(-1, keepdim=True)
+    inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))  # in float32, as the kernel
+    codes = torch.round(x * inverse).double()
+    dx = (amax / 127.0).double()[..., 0]
+    sx = (amax / 127.0 * codes.float().sum(-1, keepdim=True))[..., 0].double()  # float32 product, as the kernel
+    qs = module.qs.reshape(module.out_features, k // 32, 16)
+    weight_codes = torch.cat([qs & 15, qs >> 4], dim=-1).double()  # [N, B, 32]
+    dots = torch.einsum("mbj,nbj->mnb", codes, weight_codes)
+    return ((module.d.double()[None] * dx[:, None]) * dots + module.m.double()[None] * sx[:, None]).sum(-1)
+
+
+@pytest.mark.parametrize("out_features, in_features", [(48, 64), (50, 96), (16, 40), (96, 576)])
+def test_kernel_computes_the_documented_arithmetic(out_features, in_features):
+    torch.manual_seed(0)
+    module = Q4_1Linear.from_linear(torch.nn.Linear(in_features, out_features, bias=False))
+    x = torch.randn(7, in_features)
+    expected = reference(x, module)
+    # float32 accumulation of the per-block terms: a few ulp of the sum of their magnitudes.
+    assert (module(x).double() - expected).abs().max() <= 1e-5 * expected.abs().max()
+
+
+def test_every_row_is_computed_alone_bit_for_bit():
+    """A k-token verify pass and one-token steps see the same numbers from this layer."""
+    torch.manual_seed(1)
+    module = Q4_1Linear.from_linear(torch.nn.Linear(96, 64, bias=True))
+    x = torch.randn(13, 96) * torch.logspace(-3, 2, 13)[:, None]
+    together = module(x)
+    for rows in (1, 2, 3, 4, 5, 13):
+        for start in range(0, 13 - rows + 1, 3):
+            assert torch.equal(module(x[start:start + rows]), together[start:start + rows])
+
+
+def test_weights_are_the_int4_groups_they_were_made_from():
+    torch.manual_seed(2)
+    linear = torch.nn.Linear(64, 32, bias=False)
+    groups = int4_groups(linear.weight)
+    module = Q4_1Linear(groups, None)
+    codes = module.qs.reshape(32, 2, 16)
+    unpacked = torch.cat([codes & 15, codes >> 4], dim=-1).reshape(32, 64)
+    assert torch.equal(unpacked, groups.q)
+    weight = unpacked.double() * module.d.double().repeat_interleave(32, 1) + module.m.double().repeat_interleave(32, 1)
+    assert (weight - groups.dequantize().double()).abs().max() <= 1e-6 * groups.dequantize().abs().max()
+
+
+def test_zero_and_empty_inputs():
+    module = Q4_1Linear.from_linear(torch.nn.Linear(64, 16, bias=False))
+    assert torch.equal(module(torch.zeros(2, 64)), torch.zeros(2, 16))
+    assert module(torch.zeros(0, 64)).shape == (0, 16)
+
+
+def test_a_cpu_without_avx2_is_one_clear_error(monkeypatch):
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    with pytest.raises(SpeculaError, match="q4_1 weights are not available: .*AVX2"):
+        check_available("q4_1", "cpu")
+
+
+def test_a_gpu_is_refused_with_the_reason():
+    with pytest.raises(SpeculaError, match="runs on CPUs only"):
+        check_available("q4_1", "meta")
