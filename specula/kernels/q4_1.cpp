@@ -63,39 +63,71 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* dx, f
   }
 }
 
-// Output n of R consecutive input rows from i0: each weight block is unpacked once for the R rows.
+inline __m256i unpack_block(const uint8_t* codes) {  // 16 bytes -> 32 codes 0..15 in input order
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
+}
+
+// Exact int32 dot products of one weight block's codes with one input block's codes, in 8 int32 lanes.
+// |qw * qx| <= 15 * 127: pairs sum exactly in int16 (maddubs), then in int32.
+inline __m256i block_products(__m256i w, const int8_t* x) {
+  const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, xq), _mm256_set1_epi16(1));
+}
+
+// Lane j of the result is the sum of p[j]'s 8 lanes.
+inline __m256i sum_each(const __m256i p[8]) {
+  const __m256i h0 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+  const __m256i h1 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(h0, h1, 0x20), _mm256_permute2x128_si256(h0, h1, 0x31));
+}
+
+// Output n of R consecutive input rows from i0. Blocks go eight at a time: each weight block is unpacked
+// once for the R rows, the eight blocks' integer sums land in one vector, and their scales multiply it as
+// vectors (d, m and the rows' dx, sx are contiguous per 8 blocks); the last K/32 mod 8 blocks one by one.
 template <int R>
 inline void dot_rows(const uint8_t* qs, const float* d, const float* m, const int8_t* q, const float* dx,
                      const float* sx, float* y, int64_t n, int64_t i0, int64_t K, int64_t N) {
   const int64_t blocks = K / kBlock;
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
   const uint8_t* wn = qs + n * (K / 2);
   const float* dn = d + n * blocks;
   const float* mn = m + n * blocks;
   __m256 acc[R];
-  float minimum_part[R];
+  float tail[R];
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) {
     acc[r] = _mm256_setzero_ps();
-    minimum_part[r] = 0.0f;
+    tail[r] = 0.0f;
   }
-  for (int64_t b = 0; b < blocks; ++b) {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wn + b * 16));
-    const __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low);  // 32 codes 0..15
-    const float db = dn[b], mb = mn[b];
+  int64_t b = 0;
+  for (; b + 8 <= blocks; b += 8) {
+    __m256i w[8];
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) w[j] = unpack_block(wn + (b + j) * 16);
+    const __m256 d8 = _mm256_loadu_ps(dn + b), m8 = _mm256_loadu_ps(mn + b);
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       const int64_t i = i0 + r;
-      const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i * K + b * kBlock));
-      // |qw * qx| <= 15 * 127: pairs sum exactly in int16, then in int32.
-      const __m256i products = _mm256_madd_epi16(_mm256_maddubs_epi16(w, xq), ones);
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(products), _mm256_set1_ps(db * dx[i * blocks + b]), acc[r]);
-      minimum_part[r] += mb * sx[i * blocks + b];
+      const int8_t* xi = q + i * K + b * kBlock;
+      __m256i p[8];
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) p[j] = block_products(w[j], xi + j * kBlock);
+      const __m256 scale = _mm256_mul_ps(d8, _mm256_loadu_ps(dx + i * blocks + b));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_each(p)), scale, acc[r]);
+      acc[r] = _mm256_fmadd_ps(m8, _mm256_loadu_ps(sx + i * blocks + b), acc[r]);
+    }
+  }
+  for (; b < blocks; ++b) {
+    const __m256i w = unpack_block(wn + b * 16);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = i0 + r;
+      const __m256 products = _mm256_cvtepi32_ps(block_products(w, q + i * K + b * kBlock));
+      tail[r] += dn[b] * dx[i * blocks + b] * horizontal_sum(products) + mn[b] * sx[i * blocks + b];
     }
   }
 #pragma GCC unroll 4
-  for (int r = 0; r < R; ++r) y[(i0 + r) * N + n] = horizontal_sum(acc[r]) + minimum_part[r];
+  for (int r = 0; r < R; ++r) y[(i0 + r) * N + n] = horizontal_sum(acc[r]) + tail[r];
 }
 
 torch::Tensor q4_1_linear(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d,
