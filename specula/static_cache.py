@@ -84,6 +84,39 @@ class StaticKVCache:
         self.block = 0
 
 
+
+# An op torch.compile cannot see into (defined through torch.library's lower-level API: a custom_op wrapper
+# costs ~50 us more per call, 1.5 ms per SmolLM2 step).
+_LIBRARY = torch.library.Library("specula", "FRAGMENT")
+_LIBRARY.define("slot_attention(Tensor q, Tensor keys, Tensor values, Tensor mask, Tensor slots, float scale) "
+                "-> Tensor")
+
+
+def _slot_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                    slots: torch.Tensor, scale: float) -> torch.Tensor:
+    """SDPA of a block written to cache ``slots`` [n] (increasing) over the cache up to its last slot only.
+
+    q [1, H, n, d]; keys, values [1, H_kv, allocated, d]; mask bool [1, 1, n, allocated]. A compiled step
+    passes the whole allocation (its shape is static, the committed length is data); this op, which
+    torch.compile does not trace into, reads that length and attends over it alone instead of over every
+    allocated slot (SmolLM2 in q4_1, compiled, 4 tokens after a 300-token prefix, 1,024 slots: 23.2 -> 21.0 ms).
+    """
+    end = int(slots[-1]) + 1
+    # One token sees every slot up to its own: no mask (SDPA is ~20 % faster without one).
+    visible = None if q.shape[2] == 1 else mask[..., :end]
+    out = F.scaled_dot_product_attention(q, keys[:, :, :end], values[:, :, :end], attn_mask=visible,
+                                         scale=scale, enable_gqa=True)
+    return out.contiguous()  # the layout the fake below promises (SDPA's own depends on its backend)
+
+
+def _slot_attention_shape(q, keys, values, mask, slots, scale):
+    return q.new_empty(*q.shape[:3], values.shape[-1])
+
+
+_LIBRARY.impl("slot_attention", _slot_attention, "CompositeExplicitAutograd")
+torch.library.register_fake("specula::slot_attention", _slot_attention_shape, lib=_LIBRARY)
+slot_attention = torch.ops.specula.slot_attention
+
 def block_attention_mask(prefix: int, positions: torch.Tensor, block_mask: torch.Tensor | None,
                          window: int | None = None) -> torch.Tensor | None:
     """bool [1, 1, n, prefix + n] for a block after ``prefix`` cached entries, or None for plain causal.
@@ -148,9 +181,9 @@ def decoder_layer_step(layer: torch.nn.Module, x: torch.Tensor, cos: torch.Tenso
     ``causal`` asks SDPA for a causal mask when ``mask`` is None (a prefill from an empty cache).
     ``attention_input`` replaces the normalised x as input of q/k/v (EAGLE-3 feeds a wider one there).
     ``fused``: the layer's stacked projections (built from this layer), or None to call each linear.
-    ``slots`` [n]: write the block to these cache slots and attend over the whole allocation (``mask`` then
-    covers it), so that the committed length is data rather than a shape (`specula.compiled_step`); None:
-    write after the committed prefix and attend over it.
+    ``slots`` [n]: write the block to these cache slots and attend up to the last of them (`slot_attention`;
+    ``mask`` covers the whole allocation), so that the committed length is data rather than a shape
+    (`specula.compiled_step`); None: write after the committed prefix and attend over it.
     """
     attn = layer.self_attn
     n = x.shape[1]
@@ -166,12 +199,13 @@ def decoder_layer_step(layer: torch.nn.Module, x: torch.Tensor, cos: torch.Tenso
     q, k = apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
     if slots is None:
         keys, values = cache.write(index, k, v.transpose(1, 2))
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal and mask is None,
+                                             scale=attn.scaling, enable_gqa=True)
     else:
         keys, values = cache.keys[index], cache.values[index]
         keys.index_copy_(2, slots, k)
         values.index_copy_(2, slots, v.transpose(1, 2))
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal and mask is None,
-                                         scale=attn.scaling, enable_gqa=True)
+        out = slot_attention(q, keys, values, mask, slots, attn.scaling)
     x = x + attn.o_proj(out.transpose(1, 2).reshape(1, n, -1))
     h = layer.post_attention_layernorm(x)
     if fused is not None and fused.gate_up is not None:

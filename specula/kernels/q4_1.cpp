@@ -170,7 +170,7 @@ torch::Tensor q4_1_linear(const torch::Tensor& x, const torch::Tensor& qs, const
 
 }  // namespace
 
-TORCH_LIBRARY(specula, library) {
+TORCH_LIBRARY_FRAGMENT(specula, library) {
   library.def("q4_1_linear(Tensor x, Tensor qs, Tensor d, Tensor m) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(specula, CPU, library) { library.impl("q4_1_linear", &q4_1_linear); }
