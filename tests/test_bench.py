@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import LLAMA2XS, STORIES
+from conftest import LLAMA2XS, STORIES, STORY_PROMPTS
 
 from specula.bench import metrics, theory
 from specula.bench.config import method_specs, parse_option, read_config
@@ -23,6 +23,7 @@ from specula.decoding import node_records
 from specula.errors import SpeculaError
 from specula.profile import load_profile, profile_defaults, save_profile
 from specula.tree import DraftTree
+from specula.weights import WEIGHT_FORMATS
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
@@ -522,8 +523,10 @@ def test_calibrate_with_auto_weights_records_the_fastest_lossless_format(tmp_pat
     assert code == 0
     choice = load_profile("stories260k", out)["auto_weights"]
     measured = choice["formats"]
-    assert set(measured) == {"float32", "bfloat16", "int8", "int4"}
-    lossless = {fmt: m["step_s"] for fmt, m in measured.items() if m["available"] and m["real"] == 0}
+    assert set(measured) == set(WEIGHT_FORMATS[1:])
+    assert measured["float32"]["agreement_with_float32"] == 1.0
+    lossless = {fmt: m["step_s"] for fmt, m in measured.items()
+                if m["available"] and m["real"] == 0 and m["agreement_with_float32"] >= 0.9}
     assert choice["choice"] == min(lossless, key=lossless.get)
     assert load_profile("stories260k", out)["weights"] == choice["choice"]  # the method is calibrated in it
     assert f"--weights auto means {choice['choice']}" in capsys.readouterr().out
@@ -534,7 +537,7 @@ def test_a_format_with_a_real_divergence_is_never_chosen(tmp_path, story_questio
     import specula.certify as certify
     from specula.divergence import REAL, Divergence
 
-    steps = {"float32": 4e-3, "bfloat16": 3e-3, "int8": 2e-3, "int4": 1e-3}  # int4 the fastest
+    steps = {"float32": 4e-3, "bfloat16": 3e-3, "int8": 2e-3, "int4": 1e-3, "q4_1": 5e-3}  # int4 the fastest
     monkeypatch.setattr(calibration, "measure_verify_curve",
                         lambda target, prefix, sizes, repeats: {1: steps[target.weights]})
     honest = certify.check_greedy
@@ -550,6 +553,21 @@ def test_a_format_with_a_real_divergence_is_never_chosen(tmp_path, story_questio
                                           max_new_tokens=8, repeats=1)
     choice = calibration.choose_weights(opts)
     assert choice["formats"]["int4"]["real"] == 1 and choice["choice"] == "int8"
+
+
+def test_a_format_further_from_the_float32_model_than_allowed_is_never_chosen(monkeypatch):
+    import specula.bench.calibrate as calibration
+
+    steps = {"float32": 4e-3, "bfloat16": 3e-3, "int8": 2e-3, "int4": 1e-3, "q4_1": 5e-3}
+    monkeypatch.setattr(calibration, "measure_verify_curve",
+                        lambda target, prefix, sizes, repeats: {1: steps[target.weights]})
+    opts = calibration.CalibrationOptions(target=STORIES, method="pld", prompts=STORY_PROMPTS,
+                                          max_new_tokens=32, repeats=1, min_agreement=1.0)
+    choice = calibration.choose_weights(opts)
+    agreement = {fmt: m["agreement_with_float32"] for fmt, m in choice["formats"].items() if m["available"]}
+    assert agreement["int4"] < 1.0  # the fastest format changes some of the model's greedy tokens ...
+    assert agreement[choice["choice"]] == 1.0  # ... so it is passed over for one that keeps them all
+    assert choice["choice"] == min((f for f in agreement if agreement[f] == 1.0), key=steps.get)
 
 
 def test_weights_auto_means_the_format_calibration_chose(tmp_path, monkeypatch):

@@ -1,9 +1,11 @@
 """`specula calibrate`: measure α, c and the verification cost on this machine, predict, and save a profile.
 
 0. With ``--weights auto`` (the default): which weight format ``auto`` should mean here. Every format
-   the device runs is timed (one-token step) and checked (the method against vanilla at T = 0, each
-   divergence classified near-tie or real as `specula check` does); the fastest with no real
-   divergence is chosen, recorded in the profile (``auto_weights``) and calibrated below.
+   the device runs is timed (one-token step), checked (the method against vanilla at T = 0, each
+   divergence classified near-tie or real as `specula check` does) and compared with the float32
+   model (top-1 agreement on float32's own greedy answers); the fastest with no real divergence and
+   an agreement of at least ``min_agreement`` is chosen, recorded in the profile (``auto_weights``)
+   and calibrated below.
 1. The target's verification cost: time of one forward over n tokens after a
    real prompt, n = 1, 2, 4, ..., 128 (median of a few repeats).
 2. The method and vanilla decode a few prompts, interleaved. From the method's
@@ -59,6 +61,7 @@ class CalibrationOptions:
     repeats: int = 5
     max_nodes: int = 128
     seed: int = 0
+    min_agreement: float = 0.9
 
 
 def _sync(device: torch.device) -> None:
@@ -152,15 +155,19 @@ def choose_weights(opts: CalibrationOptions, log=lambda message: None) -> dict:
     """What ``--weights auto`` should mean on this machine: the fastest format that stays lossless.
 
     For every concrete format the device runs (`specula.weights.check_available`): the target's one-token
-    step after the first prompt (median of ``repeats``), and the method against vanilla at T = 0 on the
-    calibration prompts, every divergence classified as `specula check` does (`certify.check_greedy`). The
-    choice is the fastest step among the formats with no real divergence (near-ties are floating-point
-    rounding of the same model). Returns {"choice", "method", "formats": {format: measurements}}.
+    step after the first prompt (median of ``repeats``), the method against vanilla at T = 0 on the
+    calibration prompts, every divergence classified as `specula check` does (`certify.check_greedy`), and
+    the format's top-1 agreement with the float32 model on float32's own greedy answers to those prompts
+    (how much of the model the format keeps: quantization makes another model, which every method then
+    decodes losslessly). The choice is the fastest step among the formats with no real divergence
+    (near-ties are floating-point rounding of the same model) and an agreement of at least
+    ``opts.min_agreement``. Returns {"choice", "method", "formats": {format: measurements}}.
     """
+    from specula.agreement import argmax_agreement
     from specula.api import Speculator
     from specula.certify import check_greedy
 
-    formats = {}
+    formats, reference = {}, None  # reference: (float32 vanilla's prompt + answer ids, float32's argmax there)
     for fmt in WEIGHT_FORMATS[1:]:
         try:
             check_available(fmt, opts.device)
@@ -176,15 +183,29 @@ def choose_weights(opts: CalibrationOptions, log=lambda message: None) -> dict:
         vanilla = Speculator(target, "vanilla", VanillaDrafter())
         greedy = check_greedy(speculator, vanilla, [torch.tensor(p, device=target.device) for p in prompts],
                               opts.max_new_tokens)
+        if reference is None:  # float32 comes first in WEIGHT_FORMATS: its answers are the reference text
+            texts = [torch.cat([torch.tensor(p, device=target.device),
+                                torch.tensor(vanilla.generate(torch.tensor(p, device=target.device),
+                                                              opts.max_new_tokens).token_ids, device=target.device)])
+                     for p in prompts]
+            reference = [(text, len(p), target.prefill(text).logits[len(p) - 1:-1].clone())
+                         for text, p in zip(texts, prompts, strict=True)]
+        agreement = None
+        for text, start, logits in reference:
+            found = argmax_agreement(logits, target.prefill(text).logits[start - 1:-1])
+            agreement = found if agreement is None else agreement.add(found)
         formats[fmt] = {"available": True, "step_s": step, "prompts": greedy.prompts,
                         "identical": greedy.identical, "near_ties": greedy.count(NEAR_TIE),
-                        "real": greedy.count(REAL), "relative_tolerance": greedy.relative_tolerance}
+                        "real": greedy.count(REAL), "relative_tolerance": greedy.relative_tolerance,
+                        "agreement_with_float32": agreement.rate}
         log(f"weights {fmt}: step {step * 1e3:.1f} ms, {greedy.identical}/{greedy.prompts} identical, "
-            f"{greedy.count(NEAR_TIE)} near-ties, {greedy.count(REAL)} real divergences")
+            f"{greedy.count(NEAR_TIE)} near-ties, {greedy.count(REAL)} real divergences, top-1 agreement with "
+            f"float32 {agreement.rate:.3f}")
         del speculator, target, vanilla
         gc.collect()
         trim_heap()
-    lossless = {fmt: m["step_s"] for fmt, m in formats.items() if m["available"] and m["real"] == 0}
+    lossless = {fmt: m["step_s"] for fmt, m in formats.items() if m["available"] and m["real"] == 0
+                and m["agreement_with_float32"] >= opts.min_agreement}
     if not lossless:
         raise SpeculaError(f"no weight format decoded {opts.method} losslessly on this machine: "
                            + "; ".join(f"{f}: {m.get('real', 0)} real divergences" for f, m in formats.items()))
@@ -298,8 +319,10 @@ def format_report(profile: dict, method: str) -> str:
     if choice:
         lines += ["weight formats (one-token step; the method against vanilla at T=0):"]
         for fmt, m in choice["formats"].items():
+            agreement = m.get("agreement_with_float32")
             lines.append(f"  {fmt}: " + (f"{m['step_s'] * 1e3:.1f} ms, {m['identical']}/{m['prompts']} identical, "
-                                         f"{m['near_ties']} near-ties, {m['real']} real divergences"
+                                         f"{m['near_ties']} near-ties, {m['real']} real divergences, top-1 "
+                                         f"agreement with float32 {f(agreement, '.3f')}"
                                          if m["available"] else f"not available ({m['reason']})"))
         lines += [f"--weights auto means {choice['choice']} for this target on this machine", ""]
     lines += [

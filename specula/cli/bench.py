@@ -21,7 +21,14 @@ from specula.bench.questions import load_questions, read_questions
 from specula.bench.suite import BenchSettings, run_bench
 from specula.bench.vanilla_vs_hf import DEFAULT_PROMPTS, read_prompts
 from specula.bench.vanilla_vs_hf import run as vanilla_vs_hf
-from specula.cli.common import DTYPE_CHOICES, add_compile_argument, add_weights_argument, device_name, positive_int
+from specula.cli.common import (
+    DTYPE_CHOICES,
+    add_compile_argument,
+    add_weights_argument,
+    device_name,
+    positive_int,
+    unit_fraction,
+)
 from specula.errors import SpeculaError
 from specula.methods import DEFAULT_TARGET, METHODS, resolve_draft
 from specula.model_source import model_name
@@ -275,6 +282,9 @@ def add_calibrate_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help="(default: %(default)s, as stored)")
     p.add_argument("--device", type=device_name, default="cpu")
     add_weights_argument(p)
+    p.add_argument("--min-agreement", type=unit_fraction, default=0.9, metavar="F",
+                   help="with --weights auto, choose only formats whose greedy top-1 tokens agree with the float32 "
+                        "model's on at least this fraction of positions (default: %(default)s)")
     p.add_argument("--threads", type=positive_int, metavar="N", help="torch threads (default: torch's setting)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, metavar="FILE",
@@ -300,7 +310,8 @@ def run_calibrate_command(args: argparse.Namespace) -> int:
         options=options, prompts=prompts, max_new_tokens=args.max_new_tokens,
         max_prompt_tokens=args.max_prompt_tokens, temperature=args.temperature, dtype=args.dtype,
         weights=args.weights, device=args.device,
-        threads=args.threads, repeats=args.repeats, max_nodes=args.max_nodes, seed=args.seed)
+        threads=args.threads, repeats=args.repeats, max_nodes=args.max_nodes, seed=args.seed,
+        min_agreement=args.min_agreement)
     profile = calibrate(opts, log=lambda message: print(message, file=sys.stderr))
     if args.json:
         print(json.dumps(profile, indent=2))

@@ -48,6 +48,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def unit_fraction(text: str) -> float:
+    """A number from 0 to 1 (a rate, a share)."""
+    try:
+        value = float(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1, got '{text}'") from err
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be from 0 to 1, got {text}")
+    return value
+
+
 def device_name(text: str) -> str:
     # Allocating on it catches both a misspelt device and one this torch build or machine lacks
     # (e.g. cuda on a CPU-only build fails with an AssertionError deep inside model.to()).

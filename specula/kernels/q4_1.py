@@ -2,9 +2,9 @@
 
 ``torch.ops.specula.q4_1_linear(x float32 [M, K], qs uint8 [N, K/2], d float32 [N, K/32], m float32 [N, K/32])
 → float32 [M, N]`` (the arithmetic is described in ``q4_1.cpp``). It needs an x86 CPU with AVX2 and FMA
-and a C++ compiler; the build (about 30 s) goes to ``~/.cache/specula/kernels`` (``SPECULA_CACHE``
-moves it) and is reused until the source or the torch version changes. `scripts/install.sh` builds it,
-so the first `--weights q4_1` run does not wait for the compiler.
+and a C++ compiler; the build (about 30 s) goes to ``kernels/`` in Specula's cache (``~/.cache/specula``,
+`specula.model_source.cache_dir`) and is reused until the source or the torch version changes.
+`scripts/install.sh` builds it, so the first `--weights q4_1` run does not wait for the compiler.
 
 Why a kernel of our own: torch's int4 CPU kernel (``_weight_int4pack_mm_for_cpu``) multiplies in
 bfloat16 and costs 132 us for a 576 x 3072 weight and one token on a 2-core AVX2 EPYC, 546 us for 11
@@ -15,13 +15,13 @@ most of what separates a Specula step from llama.cpp's on such a machine.
 from __future__ import annotations
 
 import functools
-import os
 import shutil
 from pathlib import Path
 
 import torch
 
 from specula.errors import SpeculaError
+from specula.model_source import cache_dir
 
 SOURCE = Path(__file__).with_name("q4_1.cpp")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"]
@@ -29,8 +29,7 @@ FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"]
 
 def build_directory() -> Path:
     """Where the compiled kernel lives, per torch version (an extension is tied to the torch it was built for)."""
-    root = Path(os.environ.get("SPECULA_CACHE", Path.home() / ".cache" / "specula"))
-    return root / "kernels" / f"q4_1-torch{torch.__version__.replace('+', '-')}"
+    return cache_dir() / "kernels" / f"q4_1-torch{torch.__version__.replace('+', '-')}"
 
 
 def unavailable_reason(device: torch.device | str = "cpu") -> str | None:
