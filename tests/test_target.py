@@ -180,6 +180,26 @@ def test_compiled_steps_compute_what_eager_steps_compute():
                               compiled.runtime.cache.keys[layer][:, :, :end], atol=1e-5)
 
 
+def test_a_warmed_up_compiled_target_compiles_nothing_while_it_decodes():
+    """Bench and serve warm a compiled target up, so that no timed request pays for a compilation."""
+    from torch._dynamo.utils import counters
+
+    from specula.decoding import generate_tokens
+    from specula.drafters.prompt_lookup import PromptLookupDrafter
+    from specula.drafters.vanilla import VanillaDrafter
+    from specula.sampling import SamplingParams
+
+    target = Target(tiny_model("llama", seed=3))
+    target.compile()
+    target.warm_up(2)
+    compiled = counters["stats"]["unique_graphs"]
+    assert compiled > 0 and target.length == 0
+    prompt = torch.tensor([5, 9, 2, 7, 5, 9, 2, 7, 5, 9])
+    for drafter in (VanillaDrafter(), PromptLookupDrafter(num_tokens=1)):  # blocks of 1 and 2 tokens
+        generate_tokens(target, drafter, prompt, 12, SamplingParams(0.0), 0)
+    assert counters["stats"]["unique_graphs"] == compiled
+
+
 def test_compiling_a_target_outside_the_llama_family_is_one_clear_error():
     from transformers import AutoConfig, AutoModelForCausalLM
 
