@@ -33,6 +33,10 @@ from specula.static_cache import block_attention_mask
 
 BLOCK_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 CACHE_STEP = 1024  # KV slots: the compiled step's cache grows in these steps (each size compiles anew)
+# Blocks a long-running command (bench, serve) compiles before its first request (`Target.warm_up`): the
+# default trees and chains on a CPU verify at most 16 tokens (eagle/eagle2/eagle3 11, pld 11, the bundled
+# Medusa tree 16); a larger block still compiles when it is first met.
+WARM_UP_BLOCK = 16
 
 
 def bucket(n: int) -> int | None:

@@ -37,6 +37,7 @@ import torch
 from specula.bench.config import MethodSpec
 from specula.bench.metrics import add_counts, aggregate, merge_calibration, repetition
 from specula.bench.questions import Question
+from specula.compiled_step import WARM_UP_BLOCK
 from specula.errors import SpeculaError
 from specula.outputs import atomic_write_text
 from specula.sampling import SamplingParams
@@ -44,9 +45,6 @@ from specula.weights import resolve_weights
 
 RESULTS_VERSION = 1
 # Settings that must match for a resumed run to be comparable with what is already in results.json.
-# Blocks a compiled target is warmed up for before timing: the default trees and chains on a CPU verify at
-# most 16 tokens (eagle/eagle2/eagle3 11, pld 11, the bundled Medusa tree 16); a larger one compiles when met.
-COMPILE_WARM_UP_BLOCK = 16
 RESUME_KEYS = ("target", "dtype", "weights", "compile", "device", "threads", "max_new_tokens", "max_prompt_tokens",
                "seed", "top_k", "top_p")
 
@@ -317,8 +315,8 @@ def _run_bench(settings: BenchSettings, resources: contextlib.ExitStack) -> dict
                 if drafter is not None:
                     if settings.progress:
                         print(f"compiling the target's steps for {spec.label} (blocks of up to "
-                              f"{COMPILE_WARM_UP_BLOCK} tokens)", file=sys.stderr, flush=True)
-                    target.warm_up(COMPILE_WARM_UP_BLOCK, drafter.features)
+                              f"{WARM_UP_BLOCK} tokens)", file=sys.stderr, flush=True)
+                    target.warm_up(WARM_UP_BLOCK, drafter.features)
         # Warm-up: one short generation per method and temperature (not recorded).
         first = settings.questions[0]
         ids, _ = conversation_ids(target.tokenizer, [first.turns[0]], [], max_prompt_tokens)

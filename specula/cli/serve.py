@@ -14,6 +14,7 @@ from specula.cli.common import (
     method_options,
     positive_int,
 )
+from specula.compiled_step import WARM_UP_BLOCK
 from specula.errors import SpeculaError
 from specula.methods import DEFAULT_TARGET, build_speculator
 
@@ -68,6 +69,10 @@ def run_serve(args: argparse.Namespace) -> int:
     speculator = build_speculator(args.target, method=args.method, draft=args.draft, dtype=args.dtype,
                                   device=args.device, profile=not args.no_profile, weights=args.weights,
                                   compile=args.compile, **method_options(args))
+    if speculator.target.compiled:  # before listening: no request should wait for a compilation
+        print(f"{PROG}: compiling the target's steps (blocks of up to {WARM_UP_BLOCK} tokens; about a "
+              "minute per size the first time on a small CPU)", file=sys.stderr, flush=True)
+        speculator.target.warm_up(WARM_UP_BLOCK, speculator.drafter.features)
     settings = ServeSettings(model_name=args.model_name, api_key=args.api_key, max_queue=args.max_queue,
                              max_tokens_limit=args.max_tokens_limit)
     serve(create_app(speculator, settings), host=args.host, port=args.port, log_level=args.log_level)
