@@ -603,6 +603,23 @@ def test_calibrate_on_stories260k(tmp_path, story_questions, capsys):
         run_command("calibrate", "--target", STORIES, "--method", "vanilla")
 
 
+def test_calibrate_compiled_measures_every_block_size_after_compiling_them(tmp_path, story_questions, capsys,
+                                                                           monkeypatch):
+    """A compiled step pads blocks to a few sizes: its verify cost is a staircase, measured size by size."""
+    import specula.bench.calibrate as calibration
+
+    monkeypatch.setattr(calibration, "WARM_UP_BLOCK", 4)  # blocks of 1, 2 and 4 tokens: three compilations
+    out = tmp_path / "profile.json"
+    code = run_command("calibrate", "--target", STORIES, "--method", "pld", "--option", "num_tokens=2",
+                       "--weights", "float32", "--compile", "--data", story_questions, "--prompts", 1,
+                       "--max-new-tokens", 8, "--repeats", 1, "--threads", 1, "--out", out)
+    assert code == 0
+    assert "float32 weights, compiled" in capsys.readouterr().out
+    profile = load_profile("stories260k", out)
+    assert profile["compile"] is True and set(profile["verify_cost_s"]) == {"1", "2", "3", "4"}
+    assert 1 <= profile["methods"]["pld"]["best_gamma"] <= 3  # no chain longer than the measured sizes
+
+
 def test_namespace_handlers_are_set():
     p = build_parser()
     for command in (["bench", "--out", "x"], ["calibrate", "--method", "pld"]):

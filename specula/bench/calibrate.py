@@ -33,6 +33,7 @@ import torch
 from specula.bench import theory
 from specula.bench.metrics import depth_counts, pooled_alpha
 from specula.bench.runners import RecordingDrafter, accepted_path, conversation_ids
+from specula.compiled_step import WARM_UP_BLOCK
 from specula.decoding import generate_tokens
 from specula.divergence import NEAR_TIE, REAL
 from specula.drafters.vanilla import VanillaDrafter
@@ -62,6 +63,7 @@ class CalibrationOptions:
     max_nodes: int = 128
     seed: int = 0
     min_agreement: float = 0.9
+    compile: bool = False  # measure the compiled runtime (`Target.compile`); weight formats are compared eager
 
 
 def _sync(device: torch.device) -> None:
@@ -136,10 +138,10 @@ def recommended_options(method: str, dynamic: bool, best_gamma: int | None, best
     return {}
 
 
-def _build(opts: CalibrationOptions, weights: str):
+def _build(opts: CalibrationOptions, weights: str, compile: bool = False):
     # The options are measured as given: an existing profile must not change what is being calibrated.
     return build_speculator(opts.target, opts.method, opts.draft, dtype=opts.dtype, device=opts.device,
-                            profile=False, weights=weights, **(opts.options or {}))
+                            profile=False, weights=weights, compile=compile, **(opts.options or {}))
 
 
 def _prompt_ids(opts: CalibrationOptions, target) -> list[list[int]]:
@@ -226,15 +228,22 @@ def calibrate(opts: CalibrationOptions, log=lambda message: None) -> dict:
     if opts.threads:
         torch.set_num_threads(opts.threads)
     auto_weights = choose_weights(opts, log) if opts.weights == "auto" else None
-    speculator = _build(opts, auto_weights["choice"] if auto_weights else opts.weights)
+    speculator = _build(opts, auto_weights["choice"] if auto_weights else opts.weights, opts.compile)
     target, inner = speculator.target, speculator.drafter
+    sizes = VERIFY_SIZES
+    if target.compiled:
+        # A compiled step pads a block to its bucket: every size it will verify is measured (not interpolated
+        # between powers of two), all of them compiled before any is timed.
+        log(f"compiling the target's steps (blocks of up to {WARM_UP_BLOCK} tokens)")
+        target.warm_up(WARM_UP_BLOCK, inner.features)
+        sizes = tuple(range(1, WARM_UP_BLOCK + 1))
     draft = resolve_draft(opts.method, opts.target, opts.draft)
     drafter = RecordingDrafter(inner)
     vanilla = VanillaDrafter()
     prompts = _prompt_ids(opts, target)
 
-    log(f"measuring verification cost of {target.name} for {', '.join(map(str, VERIFY_SIZES))} tokens")
-    curve = measure_verify_curve(target, prompts[0], VERIFY_SIZES, opts.repeats)
+    log(f"measuring verification cost of {target.name} for {', '.join(map(str, sizes))} tokens")
+    curve = measure_verify_curve(target, prompts[0], sizes, opts.repeats)
     step = curve[1]
 
     log(f"decoding {len(prompts)} prompts with vanilla and {opts.method}")
@@ -271,8 +280,9 @@ def calibrate(opts: CalibrationOptions, log=lambda message: None) -> dict:
         expected = plan["expected_tokens"]
     predicted_lecture = theory.improvement_factor(alpha, gamma, c) if chains else None
     predicted_hw = expected / (gamma * c + verify_ratio) if expected is not None else None
-    best_gamma = theory.best_gamma(alpha, c, curve) if chains else None
-    best_tree = (theory.best_tree(trees["rank_acceptance"], draft_step, curve, opts.max_nodes)
+    best_gamma = theory.best_gamma(alpha, c, curve, min(16, max(sizes) - 1)) if chains else None
+    max_nodes = min(opts.max_nodes, max(sizes) - 1)  # beyond the measured curve nothing is known
+    best_tree = (theory.best_tree(trees["rank_acceptance"], draft_step, curve, max_nodes)
                  if trees["rank_acceptance"] else None)
     gamma_table = [
         {"gamma": g, "expected_tokens": theory.expected_tokens(alpha, g),
@@ -296,7 +306,7 @@ def calibrate(opts: CalibrationOptions, log=lambda message: None) -> dict:
     }
     return {
         "target": target.name, "target_path": str(opts.target), "device": str(target.device.type),
-        "dtype": str(target.dtype).removeprefix("torch."), "weights": target.weights,
+        "dtype": str(target.dtype).removeprefix("torch."), "weights": target.weights, "compile": target.compiled,
         "threads": torch.get_num_threads(),
         "torch": torch.__version__, "target_step_s": step,
         "verify_cost_s": {str(n): t for n, t in curve.items()},
@@ -327,6 +337,7 @@ def format_report(profile: dict, method: str) -> str:
         lines += [f"--weights auto means {choice['choice']} for this target on this machine", ""]
     lines += [
         f"target {profile['target']} ({profile['dtype']}, {profile.get('weights', 'float32')} weights, "
+        f"{'compiled, ' if profile.get('compile') else ''}"
         f"{profile['device']}, {profile['threads']} threads): "
         f"one target step {step * 1e3:.2f} ms",
         "verification cost v(n)/v(1): " + ", ".join(f"{n}: {t / step:.2f}" for n, t in sorted(curve.items())),

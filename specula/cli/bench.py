@@ -282,6 +282,7 @@ def add_calibrate_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help="(default: %(default)s, as stored)")
     p.add_argument("--device", type=device_name, default="cpu")
     add_weights_argument(p)
+    add_compile_argument(p)
     p.add_argument("--min-agreement", type=unit_fraction, default=0.9, metavar="F",
                    help="with --weights auto, choose only formats whose greedy top-1 tokens agree with the float32 "
                         "model's on at least this fraction of positions (default: %(default)s)")
@@ -311,7 +312,7 @@ def run_calibrate_command(args: argparse.Namespace) -> int:
         max_prompt_tokens=args.max_prompt_tokens, temperature=args.temperature, dtype=args.dtype,
         weights=args.weights, device=args.device,
         threads=args.threads, repeats=args.repeats, max_nodes=args.max_nodes, seed=args.seed,
-        min_agreement=args.min_agreement)
+        min_agreement=args.min_agreement, compile=args.compile)
     profile = calibrate(opts, log=lambda message: print(message, file=sys.stderr))
     if args.json:
         print(json.dumps(profile, indent=2))
