@@ -103,7 +103,37 @@ def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-class Int8Linear(nn.Module):
+class _KernelLinear(nn.Module):
+    """What every kernel-backed linear does around its kernel: x [..., K] is flattened to rows, cast to the
+    kernel's ``input_dtype`` and zero-padded to ``padded_in`` columns; `kernel` maps those rows [M, padded_in] to
+    [M, N'] (N' >= N, padding outputs dropped); the result returns in x's dtype, plus the bias."""
+
+    in_features: int
+    out_features: int
+    padded_in: int
+
+    @property
+    def input_dtype(self) -> torch.dtype:
+        return self.compute_dtype
+
+    def kernel(self, rows: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] → [..., N] in x's dtype."""
+        flat = x.reshape(-1, self.in_features).to(self.input_dtype)
+        if self.padded_in != self.in_features:
+            flat = F.pad(flat, (0, self.padded_in - self.in_features))
+        y = self.kernel(flat.contiguous())
+        if y.shape[1] != self.out_features:
+            y = y[:, :self.out_features]
+        y = y.to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+class Int8Linear(_KernelLinear):
     """y = x @ (q * scale[:, None]).T + bias, q int8 [N, K]; the kernel runs in ``compute_dtype``."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
@@ -121,22 +151,15 @@ class Int8Linear(nn.Module):
         q, scale = int8_rows(linear.weight)
         return cls(q, scale, linear.bias, compute_dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., K] → [..., N] in x's dtype."""
-        flat = x.reshape(-1, self.in_features).to(self.compute_dtype)
-        if self.padded_in != self.in_features:
-            flat = F.pad(flat, (0, self.padded_in - self.in_features))
-        y = torch.ops.aten._weight_int8pack_mm(flat.contiguous(), self.qweight, self.scales).to(x.dtype)
-        if self.bias is not None:
-            y = y + self.bias.to(x.dtype)
-        return y.reshape(*x.shape[:-1], self.out_features)
+    def kernel(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.scales)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, int8 per output channel, "
                 f"computed in {self.compute_dtype}")
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(_KernelLinear):
     """y = x @ W.T + bias with W held as packed int4 groups (see `Int4Groups`) for the device's kernel."""
 
     def __init__(self, groups: Int4Groups, bias: torch.Tensor | None, compute_dtype: torch.dtype = torch.bfloat16,
@@ -171,29 +194,17 @@ class Int4Linear(nn.Module):
                     group_size: int = GROUP_SIZE) -> Int4Linear:
         return cls(int4_groups(linear.weight, group_size), linear.bias, compute_dtype, linear.weight.device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., K] → [..., N] in x's dtype."""
-        flat = x.reshape(-1, self.in_features).to(self.compute_dtype)
-        if self.padded_in != self.in_features:
-            flat = F.pad(flat, (0, self.padded_in - self.in_features))
-        flat = flat.contiguous()
+    def kernel(self, rows: torch.Tensor) -> torch.Tensor:
         if self.cuda:
-            y = torch.ops.aten._weight_int4pack_mm(flat, self.packed, self.group_size, self.scale_and_zero)
-        else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size, self.scale_and_zero)
-        if y.shape[1] != self.out_features:
-            y = y[:, :self.out_features]
-        y = y.to(x.dtype)
-        if self.bias is not None:
-            y = y + self.bias.to(x.dtype)
-        return y.reshape(*x.shape[:-1], self.out_features)
+            return torch.ops.aten._weight_int4pack_mm(rows, self.packed, self.group_size, self.scale_and_zero)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group_size, self.scale_and_zero)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, int4 in groups of "
                 f"{self.group_size}, computed in {self.compute_dtype}")
 
 
-class Q4_1Linear(nn.Module):
+class Q4_1Linear(_KernelLinear):
     """y = x @ W.T + bias with W in GGUF Q4_1 blocks and x rounded to 8-bit codes per 32 (`specula.kernels.q4_1`).
 
     The weight is the `Int4Groups` it is made from, stored as Q4_1 blocks: w = q * d + m per 32 inputs,
@@ -226,15 +237,10 @@ class Q4_1Linear(nn.Module):
     def from_linear(cls, linear: nn.Linear) -> Q4_1Linear:
         return cls(int4_groups(linear.weight), linear.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., K] → [..., N] in x's dtype."""
-        flat = x.reshape(-1, self.in_features).float()
-        if self.padded_in != self.in_features:
-            flat = F.pad(flat, (0, self.padded_in - self.in_features))
-        y = self._op(flat.contiguous(), self.qs, self.d, self.m).to(x.dtype)
-        if self.bias is not None:
-            y = y + self.bias.to(x.dtype)
-        return y.reshape(*x.shape[:-1], self.out_features)
+    input_dtype = torch.float32  # the kernel rounds the inputs itself
+
+    def kernel(self, rows: torch.Tensor) -> torch.Tensor:
+        return self._op(rows, self.qs, self.d, self.m)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, Q4_1 blocks of {GROUP_SIZE}, "
