@@ -9,7 +9,7 @@ KV cache is allocated for what the prefix and the timed blocks need (it grows on
 The times are of `Target.forward` (all decoder layers and the LM head over k tokens after the
 committed prefix), not of a whole decoding method.
 
-Variants: a format of `specula.weights` (float32, bfloat16, int8, int4), optionally with
+Variants: a format of `specula.weights` (float32, bfloat16, int8, int4, q4_1), optionally with
 ``-requant`` (int4 from a GGUF requantized from its dequantized floats instead of carrying the
 file's blocks), ``+head`` (the LM head in that format too) and ``@float32`` (int8/int4 kernels
 computing in float32 instead of bfloat16: exact but ~10x slower on AVX2), in that order:
@@ -40,10 +40,10 @@ sys.path.insert(0, str(REPO))
 
 from specula.model_source import DEFAULT_MODEL, gguf_source, model_name  # noqa: E402
 from specula.target import Target, load_causal_lm, load_converted_lm  # noqa: E402
-from specula.weights import KERNEL_DTYPE, quantize_linear_weights  # noqa: E402
+from specula.weights import GROUPED_FORMATS, KERNEL_DTYPE, quantize_linear_weights  # noqa: E402
 
 QUESTIONS = REPO.parent / "shared" / "data" / "mt_bench" / "question.jsonl"
-DEFAULT_VARIANTS = ("float32", "bfloat16", "int8", "int4", "int8+head", "int4+head")
+DEFAULT_VARIANTS = ("float32", "bfloat16", "int8", "int4", "q4_1", "int8+head", "int4+head")
 DEFAULT_KS = (1, 2, 4, 8, 16)
 
 
@@ -52,7 +52,7 @@ def load_variant(target: str, variant: str, dtype: str = "auto") -> Target:
     fmt, float32 = variant.removesuffix("@float32"), variant.endswith("@float32")
     fmt, head = fmt.removesuffix("+head"), fmt.endswith("+head")
     fmt, requant = fmt.removesuffix("-requant"), fmt.endswith("-requant")
-    source = None if requant or fmt != "int4" else gguf_source(target)
+    source = None if requant or fmt not in GROUPED_FORMATS else gguf_source(target)
     if head or float32:  # options Target.load does not take: load whole, then convert
         model, tokenizer = load_causal_lm(target, dtype)
         report = quantize_linear_weights(model, fmt, lm_head=head, gguf_file=source,

@@ -27,7 +27,7 @@ from time_weights import QUESTIONS, load_variant  # noqa: E402
 from specula.agreement import Agreement, argmax_agreement  # noqa: E402
 from specula.model_source import DEFAULT_MODEL  # noqa: E402
 
-DEFAULT_VARIANTS = ("bfloat16", "int8", "int4", "int4-requant", "int8+head", "int4+head", "int4@float32",
+DEFAULT_VARIANTS = ("bfloat16", "int8", "int4", "q4_1", "int4-requant", "int8+head", "int4+head", "int4@float32",
                     "int4-requant@float32")
 MARGINS = (0.1, 0.5, 1.0)
 

@@ -526,7 +526,7 @@ def test_calibrate_with_auto_weights_records_the_fastest_lossless_format(tmp_pat
     assert set(measured) == set(WEIGHT_FORMATS[1:])
     assert measured["float32"]["agreement_with_float32"] == 1.0
     lossless = {fmt: m["step_s"] for fmt, m in measured.items()
-                if m["available"] and m["real"] == 0 and m["agreement_with_float32"] >= 0.9}
+                if m["available"] and m["real"] == 0 and m["agreement_with_float32"] >= 0.8}
     assert choice["choice"] == min(lossless, key=lossless.get)
     assert load_profile("stories260k", out)["weights"] == choice["choice"]  # the method is calibrated in it
     assert f"--weights auto means {choice['choice']}" in capsys.readouterr().out

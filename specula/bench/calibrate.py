@@ -62,7 +62,7 @@ class CalibrationOptions:
     repeats: int = 5
     max_nodes: int = 128
     seed: int = 0
-    min_agreement: float = 0.9
+    min_agreement: float = 0.8  # a format that changes more of the model than this is not "auto"
     compile: bool = False  # measure the compiled runtime (`Target.compile`); weight formats are compared eager
 
 

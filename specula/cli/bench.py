@@ -283,7 +283,7 @@ def add_calibrate_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--device", type=device_name, default="cpu")
     add_weights_argument(p)
     add_compile_argument(p)
-    p.add_argument("--min-agreement", type=unit_fraction, default=0.9, metavar="F",
+    p.add_argument("--min-agreement", type=unit_fraction, default=0.8, metavar="F",
                    help="with --weights auto, choose only formats whose greedy top-1 tokens agree with the float32 "
                         "model's on at least this fraction of positions (default: %(default)s)")
     p.add_argument("--threads", type=positive_int, metavar="N", help="torch threads (default: torch's setting)")
