@@ -169,7 +169,7 @@ def choose_weights(opts: CalibrationOptions, log=lambda message: None) -> dict:
     from specula.api import Speculator
     from specula.certify import check_greedy
 
-    formats, reference = {}, None  # reference: (float32 vanilla's prompt + answer ids, float32's argmax there)
+    formats, reference = {}, None  # reference: (prompt + float32's answer, answer start, float32's logits there)
     for fmt in WEIGHT_FORMATS[1:]:
         try:
             check_available(fmt, opts.device)
@@ -209,8 +209,10 @@ def choose_weights(opts: CalibrationOptions, log=lambda message: None) -> dict:
     lossless = {fmt: m["step_s"] for fmt, m in formats.items() if m["available"] and m["real"] == 0
                 and m["agreement_with_float32"] >= opts.min_agreement}
     if not lossless:
-        raise SpeculaError(f"no weight format decoded {opts.method} losslessly on this machine: "
-                           + "; ".join(f"{f}: {m.get('real', 0)} real divergences" for f, m in formats.items()))
+        raise SpeculaError(f"no weight format decoded {opts.method} losslessly with an agreement of at least "
+                           f"{opts.min_agreement} with float32 on this machine: "
+                           + "; ".join(f"{f}: {m['real']} real divergences, agreement {m['agreement_with_float32']:.3f}"
+                                       if m["available"] else f"{f}: not available" for f, m in formats.items()))
     return {"choice": min(lossless, key=lossless.get), "method": opts.method, "formats": formats,
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
