@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -55,6 +56,9 @@ def load() -> torch._ops.OpOverloadPacket:
 
     directory = build_directory()
     directory.mkdir(parents=True, exist_ok=True)
+    if not (directory / "specula_q4_1.so").exists():  # a rebuild after a source change is silent, like torch's
+        print(f"specula: building the q4_1 kernel once for this machine (about 30 s) in {directory}",
+              file=sys.stderr, flush=True)
     try:
         load_extension(name="specula_q4_1", sources=[str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
                        build_directory=str(directory), is_python_module=False, verbose=False)
