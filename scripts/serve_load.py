@@ -1,0 +1,178 @@
+"""A bounded load test of `specula serve`: throughput and latency against 1, 2, 4, 8, 16 concurrent clients.
+
+For each method it starts `specula serve` on a free 127.0.0.1 port (never another host), waits for
+/health, and at each concurrency C runs C client threads that each send ``--requests`` streamed chat
+completions (MT-bench first turns, in turn) through the official `openai` client, then stops the server
+with SIGTERM. Every request is bounded (``--max-tokens``) and so is the whole run. Per concurrency it
+reports: requests, failures, the server's total completion tokens/s over the wall time of that level,
+time to first token (first streamed content) and whole-request latency, p50 and p95.
+
+    OMP_NUM_THREADS=2 .venv/bin/python scripts/serve_load.py --methods vanilla,pld --weights q4_1 \\
+        --out docs/benchmarks/serve-smollm2
+
+Writes ``results.json`` and ``results.md`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+QUESTIONS = REPO.parent / "shared" / "data" / "mt_bench" / "question.jsonl"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(method: str, weights: str, port: int, extra: list[str]) -> subprocess.Popen:
+    command = [str(REPO / ".venv" / "bin" / "specula"), "serve", "--method", method, "--weights", weights,
+               "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", *extra]
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=sys.stderr)
+
+
+def wait_healthy(port: int, process: subprocess.Popen, timeout: float) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"specula serve exited with status {process.returncode} before it was ready")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise SystemExit(f"specula serve was not ready after {timeout:.0f} s")
+
+
+def one_request(client, model: str, prompt: str, max_tokens: int) -> dict:
+    """One streamed chat completion: {ok, ttft_s, latency_s, tokens} (tokens from the usage chunk)."""
+    start = time.perf_counter()
+    first, tokens = None, 0
+    try:
+        stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
+                                                max_tokens=max_tokens, temperature=0.0, stream=True,
+                                                stream_options={"include_usage": True})
+        for chunk in stream:
+            if first is None and chunk.choices and chunk.choices[0].delta.content:
+                first = time.perf_counter() - start
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+        return {"ok": True, "ttft_s": first, "latency_s": time.perf_counter() - start, "tokens": tokens}
+    except Exception as err:  # a failure is a result here, counted and reported, never a crash of the test
+        return {"ok": False, "error": f"{type(err).__name__}: {err}"[:200],
+                "latency_s": time.perf_counter() - start, "tokens": 0}
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def run_level(port: int, prompts: list[str], concurrency: int, requests: int, max_tokens: int) -> dict:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=600)
+    model = client.models.list().data[0].id  # the name the server answers to
+    lock, counter = threading.Lock(), [0]
+
+    def worker(_: int) -> list[dict]:
+        results = []
+        for _ in range(requests):
+            with lock:
+                prompt = prompts[counter[0] % len(prompts)]
+                counter[0] += 1
+            results.append(one_request(client, model, prompt, max_tokens))
+        return results
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        records = [r for batch in pool.map(worker, range(concurrency)) for r in batch]
+    wall = time.perf_counter() - start
+    ok = [r for r in records if r["ok"]]
+    ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
+    latency = [r["latency_s"] for r in ok]
+    return {"concurrency": concurrency, "requests": len(records), "failures": len(records) - len(ok),
+            "tokens": sum(r["tokens"] for r in ok), "wall_s": wall,
+            "tokens_per_s": sum(r["tokens"] for r in ok) / wall,
+            "ttft_p50_s": percentile(ttft, 0.5), "ttft_p95_s": percentile(ttft, 0.95),
+            "latency_p50_s": percentile(latency, 0.5), "latency_p95_s": percentile(latency, 0.95),
+            "errors": sorted({r["error"] for r in records if not r["ok"]})[:5]}
+
+
+def table(results: dict) -> str:
+    lines = ["| method | clients | requests | failures | tokens/s (server total) | TTFT p50 / p95 | "
+             "latency p50 / p95 |", "|---|---|---|---|---|---|---|"]
+
+    def s(value):
+        return "–" if value is None else f"{value:.2f} s"
+
+    for method, levels in results["methods"].items():
+        for row in levels:
+            lines.append(f"| {method} | {row['concurrency']} | {row['requests']} | {row['failures']} | "
+                         f"{row['tokens_per_s']:.1f} | {s(row['ttft_p50_s'])} / {s(row['ttft_p95_s'])} | "
+                         f"{s(row['latency_p50_s'])} / {s(row['latency_p95_s'])} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--methods", default="vanilla,pld")
+    p.add_argument("--weights", default="auto")
+    p.add_argument("--concurrency", default="1,2,4,8,16")
+    p.add_argument("--requests", type=int, default=2, help="requests per client at each level (default: 2)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--serve-option", action="append", default=[], metavar="ARG",
+                   help="extra argument for specula serve, e.g. --serve-option=--compile (repeatable)")
+    p.add_argument("--ready-timeout", type=float, default=900, help="seconds to wait for /health")
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args()
+    levels = [int(c) for c in args.concurrency.split(",")]
+    prompts = [json.loads(line)["turns"][0] for line in QUESTIONS.read_text(encoding="utf-8").splitlines()]
+    results = {"command": " ".join(sys.argv), "weights": args.weights, "max_tokens": args.max_tokens,
+               "requests_per_client": args.requests, "serve_options": args.serve_option,
+               "threads": os.environ.get("OMP_NUM_THREADS"), "methods": {}}
+    for method in args.methods.split(","):
+        port = free_port()
+        server = start_server(method, args.weights, port, args.serve_option)
+        try:
+            wait_healthy(port, server, args.ready_timeout)
+            run_level(port, prompts, 1, 1, 8)  # warm-up, not recorded
+            results["methods"][method] = []
+            for concurrency in levels:
+                row = run_level(port, prompts, concurrency, args.requests, args.max_tokens)
+                results["methods"][method].append(row)
+                print(f"{method} x{concurrency}: {row['tokens_per_s']:.1f} tokens/s, {row['failures']} failures",
+                      file=sys.stderr, flush=True)
+        finally:
+            server.send_signal(signal.SIGTERM)
+            try:
+                server.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                server.kill()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+    (args.out / "results.md").write_text(f"# specula serve under load\n\nCommand: `{results['command']}`\n\n"
+                                         f"{table(results)}\n", encoding="utf-8")
+    print(table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
