@@ -48,15 +48,22 @@ def positive_int(text: str) -> int:
     return value
 
 
-def unit_fraction(text: str) -> float:
-    """A number from 0 to 1 (a rate, a share)."""
-    try:
-        value = float(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1, got '{text}'") from err
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be from 0 to 1, got {text}")
-    return value
+def number_in(kind: type, low: float, high: float, expected: str):
+    """An argparse type: ``kind(text)`` (int or float) from ``low`` to ``high``; ``expected`` names it in errors."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got '{text}'") from err
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{expected} is from {low} to {high}, got {text}")
+        return value
+
+    parse.__name__ = expected.replace(" ", "_")  # argparse names the type in some messages
+    return parse
+
+
+unit_fraction = number_in(float, 0.0, 1.0, "a fraction")
 
 
 def device_name(text: str) -> str:

@@ -12,6 +12,7 @@ from specula.cli.common import (
     add_method_arguments,
     add_model_arguments,
     method_options,
+    number_in,
     positive_int,
 )
 from specula.compiled_step import WARM_UP_BLOCK
@@ -21,14 +22,7 @@ from specula.methods import DEFAULT_TARGET, build_speculator
 API_KEY_ENV = "SPECULA_API_KEY"
 
 
-def port_number(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(f"expected a port number, got '{text}'") from err
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"a port is in [0, 65535], got {value}")
-    return value
+port_number = number_in(int, 0, 65535, "a port number")
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
