@@ -10,8 +10,8 @@ from specula.kernels import q4_1
 from specula.quantized_linear import Q4_1Linear, int4_groups
 from specula.weights import check_available
 
-pytestmark = pytest.mark.skipif(q4_1.unavailable_reason() is not None,
-                                reason=f"q4_1 kernel unavailable here: {q4_1.unavailable_reason()}")
+needs_kernel = pytest.mark.skipif(q4_1.unavailable_reason() is not None,
+                                  reason=f"q4_1 kernel unavailable here: {q4_1.unavailable_reason()}")
 
 
 def reference(x: torch.Tensor, module: Q4_1Linear) -> torch.Tensor:
@@ -29,6 +29,7 @@ def reference(x: torch.Tensor, module: Q4_1Linear) -> torch.Tensor:
     return ((module.d.double()[None] * dx[:, None]) * dots + module.m.double()[None] * sx[:, None]).sum(-1)
 
 
+@needs_kernel
 @pytest.mark.parametrize("out_features, in_features", [(48, 64), (50, 96), (16, 40), (96, 576)])
 def test_kernel_computes_the_documented_arithmetic(out_features, in_features):
     torch.manual_seed(0)
@@ -39,17 +40,20 @@ def test_kernel_computes_the_documented_arithmetic(out_features, in_features):
     assert (module(x).double() - expected).abs().max() <= 1e-5 * expected.abs().max()
 
 
+@needs_kernel
 def test_every_row_is_computed_alone_bit_for_bit():
     """A k-token verify pass and one-token steps see the same numbers from this layer."""
     torch.manual_seed(1)
-    module = Q4_1Linear.from_linear(torch.nn.Linear(96, 64, bias=True))
-    x = torch.randn(13, 96) * torch.logspace(-3, 2, 13)[:, None]
+    # K = 576 (SmolLM2's width): two groups of eight blocks (the vector path) and two blocks one by one.
+    module = Q4_1Linear.from_linear(torch.nn.Linear(576, 64, bias=True))
+    x = torch.randn(13, 576) * torch.logspace(-3, 2, 13)[:, None]
     together = module(x)
     for rows in (1, 2, 3, 4, 5, 13):
         for start in range(0, 13 - rows + 1, 3):
             assert torch.equal(module(x[start:start + rows]), together[start:start + rows])
 
 
+@needs_kernel
 def test_weights_are_the_int4_groups_they_were_made_from():
     torch.manual_seed(2)
     linear = torch.nn.Linear(64, 32, bias=False)
@@ -62,10 +66,22 @@ def test_weights_are_the_int4_groups_they_were_made_from():
     assert (weight - groups.dequantize().double()).abs().max() <= 1e-6 * groups.dequantize().abs().max()
 
 
+@needs_kernel
 def test_zero_and_empty_inputs():
     module = Q4_1Linear.from_linear(torch.nn.Linear(64, 16, bias=False))
     assert torch.equal(module(torch.zeros(2, 64)), torch.zeros(2, 16))
     assert module(torch.zeros(0, 64)).shape == (0, 16)
+
+
+@needs_kernel
+def test_a_nan_input_gives_nan_outputs_wherever_it_sits():
+    """As a float matmul would: a NaN must not turn into large finite numbers (hiding a broken hidden state)."""
+    module = Q4_1Linear.from_linear(torch.nn.Linear(576, 16, bias=False))
+    for position in (0, 7, 31, 300, 575):
+        x = torch.randn(2, 576)
+        x[1, position] = float("nan")
+        y = module(x)
+        assert y[1].isnan().all() and not y[0].isnan().any(), position
 
 
 def test_a_cpu_without_avx2_is_one_clear_error(monkeypatch):

@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 
 namespace {
 
@@ -44,7 +45,15 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* dx, f
       __m128 h = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
       h = _mm_max_ps(h, _mm_movehl_ps(h, h));
       h = _mm_max_ss(h, _mm_movehdup_ps(h));
-      const float amax = _mm_cvtss_f32(h);
+      float amax = _mm_cvtss_f32(h);
+      // max_ps drops a NaN depending on its lane: look for one, and let it make the block's scales NaN, so a
+      // NaN input gives NaN outputs (as a float matmul would) instead of large finite numbers.
+      const __m256 unordered = _mm256_or_ps(_mm256_or_ps(_mm256_cmp_ps(v0, v0, _CMP_UNORD_Q),
+                                                         _mm256_cmp_ps(v1, v1, _CMP_UNORD_Q)),
+                                            _mm256_or_ps(_mm256_cmp_ps(v2, v2, _CMP_UNORD_Q),
+                                                         _mm256_cmp_ps(v3, v3, _CMP_UNORD_Q)));
+      const bool has_nan = _mm256_movemask_ps(unordered) != 0;
+      if (has_nan) amax = 0.0f;  // codes 0 below; the NaN goes into dx and sx
       const __m256 inv = _mm256_set1_ps(amax != 0.0f ? 127.0f / amax : 0.0f);
       const __m256i i0 = round_to_int(_mm256_mul_ps(v0, inv)), i1 = round_to_int(_mm256_mul_ps(v1, inv));
       const __m256i i2 = round_to_int(_mm256_mul_ps(v2, inv)), i3 = round_to_int(_mm256_mul_ps(v3, inv));
@@ -52,7 +61,7 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* dx, f
       __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
       s4 = _mm_hadd_epi32(s4, s4);
       s4 = _mm_hadd_epi32(s4, s4);
-      const float d = amax / 127.0f;
+      const float d = has_nan ? std::numeric_limits<float>::quiet_NaN() : amax / 127.0f;
       dx[i * blocks + b] = d;
       sx[i * blocks + b] = d * static_cast<float>(_mm_cvtsi128_si32(s4));
       // The packs interleave 128-bit lanes; the permutation puts the 32 codes back in input order.

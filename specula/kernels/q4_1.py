@@ -15,6 +15,7 @@ most of what separates a Specula step from llama.cpp's on such a machine.
 from __future__ import annotations
 
 import functools
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -43,7 +44,22 @@ def unavailable_reason(device: torch.device | str = "cpu") -> str | None:
         return f"the q4_1 kernel needs an x86 CPU with AVX2 (this CPU: {capability})"
     if not any(shutil.which(c) for c in ("c++", "g++", "clang++")):
         return "building the q4_1 kernel needs a C++ compiler (install g++)"
+    if _ninja() is None:
+        return "building the q4_1 kernel needs ninja (pip install ninja)"
     return None
+
+
+def _ninja() -> str | None:
+    """The ninja executable: the `ninja` package's (in the venv, which need not be on PATH), else PATH's."""
+    try:
+        import ninja
+
+        candidate = Path(ninja.BIN_DIR) / "ninja"
+        if candidate.exists():
+            return str(candidate)
+    except ImportError:
+        pass
+    return shutil.which("ninja")
 
 
 @functools.cache
@@ -59,12 +75,17 @@ def load() -> torch._ops.OpOverloadPacket:
     if not (directory / "specula_q4_1.so").exists():  # a rebuild after a source change is silent, like torch's
         print(f"specula: building the q4_1 kernel once for this machine (about 30 s) in {directory}",
               file=sys.stderr, flush=True)
+    # torch runs "ninja" from PATH; a venv's own ninja is not on it unless the venv is activated.
+    ninja_dir = str(Path(_ninja()).parent)
+    if ninja_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = ninja_dir + os.pathsep + os.environ.get("PATH", "")
     try:
         load_extension(name="specula_q4_1", sources=[str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
                        build_directory=str(directory), is_python_module=False, verbose=False)
     except (RuntimeError, OSError, ImportError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise SpeculaError(f"could not build the q4_1 kernel in {directory}: {first}") from err
+        log = directory / "build.log"  # torch's first line is the command; the compiler's words come later
+        log.write_text(str(err), encoding="utf-8")
+        raise SpeculaError(f"could not build the q4_1 kernel in {directory} (the compiler's output: {log})") from err
     op = torch.ops.specula.q4_1_linear
 
     @torch.library.register_fake("specula::q4_1_linear")
