@@ -62,7 +62,11 @@ class CompiledStep:
 
     def accepts(self, n: int) -> bool:
         """Whether a block of n tokens takes this path (else the eager step runs it): not a prefill."""
-        return (self.runtime.cache.length > 0 and bucket(n) is not None
+        cache = self.runtime.cache
+        padded = bucket(n)
+        # A block padded past the cache's capacity (near the context limit) runs eager: its padding would
+        # write slots that do not exist.
+        return (cache.length > 0 and padded is not None and cache.length + padded <= cache.capacity
                 and all(window is None for window in self.runtime.windows))
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, block_mask: torch.Tensor | None, features):

@@ -191,13 +191,30 @@ def test_a_warmed_up_compiled_target_compiles_nothing_while_it_decodes():
 
     target = Target(tiny_model("llama", seed=3))
     target.compile()
+    counters.clear()
     target.warm_up(2)
-    compiled = counters["stats"]["unique_graphs"]
-    assert compiled > 0 and target.length == 0
+    assert counters["stats"]["unique_graphs"] == 2 and target.length == 0  # blocks of 1 and 2 tokens
     prompt = torch.tensor([5, 9, 2, 7, 5, 9, 2, 7, 5, 9])
-    for drafter in (VanillaDrafter(), PromptLookupDrafter(num_tokens=1)):  # blocks of 1 and 2 tokens
-        generate_tokens(target, drafter, prompt, 12, SamplingParams(0.0), 0)
-    assert counters["stats"]["unique_graphs"] == compiled
+    sizes = []
+    for drafter in (VanillaDrafter(), PromptLookupDrafter(num_tokens=1)):
+        _, stats = generate_tokens(target, drafter, prompt, 12, SamplingParams(0.0), 0)
+        sizes += stats.tree_sizes
+    assert 0 in sizes and 1 in sizes  # both block sizes were verified ...
+    assert counters["stats"]["unique_graphs"] == 2  # ... by the graphs the warm-up compiled
+
+
+def test_a_compiled_block_near_the_context_limit_runs_eager_instead_of_padding_past_it():
+    """3 tokens pad to 4: with 2 slots left the padding has nowhere to go, so that block takes the eager step."""
+    model = tiny_model("llama", seed=2)
+    eager, compiled = Target(model, max_length=24), Target(model, max_length=24)
+    compiled.compile()
+    prompt = torch.randint(0, 97, (21,), generator=torch.Generator().manual_seed(1))
+    block = torch.tensor([5, 8, 13])
+    outs = []
+    for target in (eager, compiled):
+        target.prefill(prompt)
+        outs.append(target.forward(block).logits)
+    assert torch.equal(outs[0], outs[1])  # the same eager step computed both
 
 
 def test_compiling_a_target_outside_the_llama_family_is_one_clear_error():
