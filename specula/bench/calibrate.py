@@ -40,6 +40,7 @@ from specula.drafters.vanilla import VanillaDrafter
 from specula.errors import SpeculaError
 from specula.methods import build_speculator, get_method, resolve_draft
 from specula.sampling import SamplingParams
+from specula.target import FeatureRequest
 from specula.weights import WEIGHT_FORMATS, check_available, resolve_weights, trim_heap
 
 VERIFY_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -71,7 +72,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure_verify_curve(target, prefix: list[int], sizes=VERIFY_SIZES, repeats: int = 5) -> dict[int, float]:
+def measure_verify_curve(target, prefix: list[int], sizes=VERIFY_SIZES, repeats: int = 5,
+                         features: FeatureRequest | None = None) -> dict[int, float]:
     """{n: median seconds of one target forward over n tokens after ``prefix``}; sizes that do not fit are skipped.
 
     The sizes are timed in interleaved rounds (every size once per round, the first round a warm-up), so a
@@ -88,7 +90,7 @@ def measure_verify_curve(target, prefix: list[int], sizes=VERIFY_SIZES, repeats:
             mask = torch.ones(n, n, dtype=torch.bool, device=device).tril()
             _sync(device)
             start = time.perf_counter()
-            target.forward(tokens, mask)
+            target.forward(tokens, mask, features=features or FeatureRequest())  # the method's own graphs
             _sync(device)
             if r:  # the first round is a warm-up
                 times[n].append(time.perf_counter() - start)
@@ -245,7 +247,7 @@ def calibrate(opts: CalibrationOptions, log=lambda message: None) -> dict:
     prompts = _prompt_ids(opts, target)
 
     log(f"measuring verification cost of {target.name} for {', '.join(map(str, sizes))} tokens")
-    curve = measure_verify_curve(target, prompts[0], sizes, opts.repeats)
+    curve = measure_verify_curve(target, prompts[0], sizes, opts.repeats, inner.features)
     step = curve[1]
 
     log(f"decoding {len(prompts)} prompts with vanilla and {opts.method}")
