@@ -40,7 +40,8 @@ def free_port() -> int:
 def start_server(method: str, weights: str, port: int, extra: list[str]) -> subprocess.Popen:
     command = [str(REPO / ".venv" / "bin" / "specula"), "serve", "--method", method, "--weights", weights,
                "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", *extra]
-    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=sys.stderr)
+    environment = {k: v for k, v in os.environ.items() if k != "SPECULA_API_KEY"}  # the clients send no key
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=sys.stderr, env=environment)
 
 
 def wait_healthy(port: int, process: subprocess.Popen, timeout: float) -> None:
@@ -72,6 +73,9 @@ def one_request(client, model: str, prompt: str, max_tokens: int) -> dict:
                 first = time.perf_counter() - start
             if chunk.usage is not None:
                 tokens = chunk.usage.completion_tokens
+        if not tokens:  # every completion here has tokens, and its usage chunk says how many
+            return {"ok": False, "error": "no usage chunk or no tokens", "latency_s": time.perf_counter() - start,
+                    "tokens": 0}
         return {"ok": True, "ttft_s": first, "latency_s": time.perf_counter() - start, "tokens": tokens}
     except Exception as err:  # a failure is a result here, counted and reported, never a crash of the test
         return {"ok": False, "error": f"{type(err).__name__}: {err}"[:200],
@@ -131,6 +135,13 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def write_results(out: Path, results: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+    (out / "results.md").write_text(f"# specula serve under load\n\nCommand: `{results['command']}`\n\n"
+                                    f"{table(results)}\n", encoding="utf-8")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--methods", default="vanilla,pld")
@@ -160,16 +171,14 @@ def main() -> int:
                 results["methods"][method].append(row)
                 print(f"{method} x{concurrency}: {row['tokens_per_s']:.1f} tokens/s, {row['failures']} failures",
                       file=sys.stderr, flush=True)
+                write_results(args.out, results)  # a later failure keeps what was measured
         finally:
             server.send_signal(signal.SIGTERM)
             try:
                 server.wait(timeout=120)
             except subprocess.TimeoutExpired:
                 server.kill()
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
-    (args.out / "results.md").write_text(f"# specula serve under load\n\nCommand: `{results['command']}`\n\n"
-                                         f"{table(results)}\n", encoding="utf-8")
+    write_results(args.out, results)
     print(table(results))
     return 0
 
