@@ -23,7 +23,8 @@ import torch
 
 from specula.divergence import NEAR_TIE, explain, first_difference
 
-__all__ = ["Agreement", "Divergence", "argmax_agreement", "find_divergence", "first_difference"]
+__all__ = ["Agreement", "ArgmaxReference", "Divergence", "argmax_agreement", "find_divergence",
+           "first_difference"]
 
 
 @dataclass(frozen=True)
@@ -93,10 +94,26 @@ class Agreement:
                          self.disagreement_margins + other.disagreement_margins)
 
 
+@dataclass
+class ArgmaxReference:
+    """What an agreement count needs of a reference model's logits [n, V], without keeping them:
+    its argmax tokens [n] and its top-1 minus top-2 margins [n]."""
+
+    tokens: torch.Tensor
+    margins: torch.Tensor
+
+    @classmethod
+    def of(cls, logits: torch.Tensor) -> ArgmaxReference:
+        logits = logits.float()
+        top = torch.topk(logits, 2, dim=-1).values
+        return cls(logits.argmax(-1), top[:, 0] - top[:, 1])
+
+    def agreement(self, logits: torch.Tensor) -> Agreement:
+        """Compare the argmax tokens of ``logits`` [n, V] with the reference's."""
+        agree = self.tokens == logits.float().argmax(-1)
+        return Agreement(int(agree.numel()), int(agree.sum()), [float(m) for m in self.margins[~agree]])
+
+
 def argmax_agreement(reference_logits: torch.Tensor, logits: torch.Tensor) -> Agreement:
     """Compare argmax tokens of ``logits`` [n, V] with those of ``reference_logits`` [n, V]."""
-    reference_logits, logits = reference_logits.float(), logits.float()
-    agree = reference_logits.argmax(-1) == logits.argmax(-1)
-    top = torch.topk(reference_logits, 2, dim=-1).values
-    margins = (top[:, 0] - top[:, 1])[~agree]
-    return Agreement(int(agree.numel()), int(agree.sum()), [float(m) for m in margins])
+    return ArgmaxReference.of(reference_logits).agreement(logits)

@@ -167,11 +167,11 @@ def choose_weights(opts: CalibrationOptions, log=lambda message: None) -> dict:
     (near-ties are floating-point rounding of the same model) and an agreement of at least
     ``opts.min_agreement``. Returns {"choice", "method", "formats": {format: measurements}}.
     """
-    from specula.agreement import argmax_agreement
+    from specula.agreement import ArgmaxReference
     from specula.api import Speculator
     from specula.certify import check_greedy
 
-    formats, reference = {}, None  # reference: (prompt + float32's answer, answer start, float32's logits there)
+    formats, reference = {}, None  # reference: (prompt + float32's answer, answer start, float32's argmax there)
     for fmt in WEIGHT_FORMATS[1:]:
         try:
             check_available(fmt, opts.device)
@@ -192,11 +192,11 @@ def choose_weights(opts: CalibrationOptions, log=lambda message: None) -> dict:
                                 torch.tensor(vanilla.generate(torch.tensor(p, device=target.device),
                                                               opts.max_new_tokens).token_ids, device=target.device)])
                      for p in prompts]
-            reference = [(text, len(p), target.prefill(text).logits[len(p) - 1:-1].clone())
+            reference = [(text, len(p), ArgmaxReference.of(target.prefill(text).logits[len(p) - 1:-1]))
                          for text, p in zip(texts, prompts, strict=True)]
         agreement = None
-        for text, start, logits in reference:
-            found = argmax_agreement(logits, target.prefill(text).logits[start - 1:-1])
+        for text, start, argmax in reference:
+            found = argmax.agreement(target.prefill(text).logits[start - 1:-1])
             agreement = found if agreement is None else agreement.add(found)
         formats[fmt] = {"available": True, "step_s": step, "prompts": greedy.prompts,
                         "identical": greedy.identical, "near_ties": greedy.count(NEAR_TIE),
