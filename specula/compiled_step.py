@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specula.static_cache import block_attention_mask
+from specula.static_cache import SlotBlock, block_attention_mask
 
 BLOCK_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 CACHE_STEP = 1024  # KV slots: the compiled step's cache grows in these steps (each size compiles anew)
@@ -75,7 +75,7 @@ class CompiledStep:
         n, padded, prefix = tokens.shape[0], bucket(tokens.shape[0]), cache.length
         cache.reserve(prefix + padded)
         device = tokens.device
-        slots = torch.arange(prefix, prefix + padded, device=device)
+        slots = SlotBlock(torch.arange(prefix, prefix + padded, device=device), torch.tensor(prefix + padded))
         tokens = F.pad(tokens, (0, padded - n))
         positions = torch.cat([positions, positions.new_full((padded - n,), prefix)])
         # The block's rows see what the eager step's mask lets them see; None here is one token after a

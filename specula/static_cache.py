@@ -15,6 +15,7 @@ at least doubling, by copying into a larger buffer: the shapes stay static betwe
 from __future__ import annotations
 
 import sys
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -85,23 +86,31 @@ class StaticKVCache:
 
 
 
+class SlotBlock(NamedTuple):
+    """Where a compiled step's block goes: cache ``indices`` [n] (increasing, on the cache's device) and ``end``,
+    the last of them + 1 as a 0-d int64 CPU tensor (read without a device sync)."""
+
+    indices: torch.Tensor
+    end: torch.Tensor
+
+
 # An op torch.compile cannot see into (defined through torch.library's lower-level API: a custom_op wrapper
 # costs ~50 us more per call, 1.5 ms per SmolLM2 step).
 _LIBRARY = torch.library.Library("specula", "FRAGMENT")
-_LIBRARY.define("slot_attention(Tensor q, Tensor keys, Tensor values, Tensor mask, Tensor slots, float scale) "
+_LIBRARY.define("slot_attention(Tensor q, Tensor keys, Tensor values, Tensor mask, Tensor end, float scale) "
                 "-> Tensor")
 
 
 def _slot_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-                    slots: torch.Tensor, scale: float) -> torch.Tensor:
-    """SDPA of a block written to cache ``slots`` [n] (increasing) over the cache up to its last slot only.
+                    end: torch.Tensor, scale: float) -> torch.Tensor:
+    """SDPA of a block over the cache slots before ``end`` (a 0-d int64 CPU tensor: the block's last slot + 1).
 
     q [1, H, n, d]; keys, values [1, H_kv, allocated, d]; mask bool [1, 1, n, allocated]. A compiled step
     passes the whole allocation (its shape is static, the committed length is data); this op, which
     torch.compile does not trace into, reads that length and attends over it alone instead of over every
     allocated slot (SmolLM2 in q4_1, compiled, 4 tokens after a 300-token prefix, 1,024 slots: 23.2 -> 21.0 ms).
     """
-    end = int(slots[-1]) + 1
+    end = int(end)  # on the CPU: no device sync
     # One token sees every slot up to its own: no mask (SDPA is ~20 % faster without one).
     visible = None if q.shape[2] == 1 else mask[..., :end]
     out = F.scaled_dot_product_attention(q, keys[:, :, :end], values[:, :, :end], attn_mask=visible,
@@ -109,7 +118,7 @@ def _slot_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, m
     return out.contiguous()  # the layout the fake below promises (SDPA's own depends on its backend)
 
 
-def _slot_attention_shape(q, keys, values, mask, slots, scale):
+def _slot_attention_shape(q, keys, values, mask, end, scale):
     return q.new_empty(*q.shape[:3], values.shape[-1])
 
 
@@ -175,13 +184,13 @@ class FusedProjections:
 def decoder_layer_step(layer: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        cache: StaticKVCache, index: int, mask: torch.Tensor | None, causal: bool,
                        apply_rope, attention_input: torch.Tensor | None = None,
-                       fused: FusedProjections | None = None, slots: torch.Tensor | None = None) -> torch.Tensor:
+                       fused: FusedProjections | None = None, slots: SlotBlock | None = None) -> torch.Tensor:
     """One `transformers` Llama-style decoder layer on a block x [1, n, H] using ``cache`` layer ``index``.
 
     ``causal`` asks SDPA for a causal mask when ``mask`` is None (a prefill from an empty cache).
     ``attention_input`` replaces the normalised x as input of q/k/v (EAGLE-3 feeds a wider one there).
     ``fused``: the layer's stacked projections (built from this layer), or None to call each linear.
-    ``slots`` [n]: write the block to these cache slots and attend up to the last of them (`slot_attention`;
+    ``slots``: write the block to these cache slots and attend up to the last of them (`slot_attention`;
     ``mask`` covers the whole allocation), so that the committed length is data rather than a shape
     (`specula.compiled_step`); None: write after the committed prefix and attend over it.
     """
@@ -203,9 +212,9 @@ def decoder_layer_step(layer: torch.nn.Module, x: torch.Tensor, cos: torch.Tenso
                                              scale=attn.scaling, enable_gqa=True)
     else:
         keys, values = cache.keys[index], cache.values[index]
-        keys.index_copy_(2, slots, k)
-        values.index_copy_(2, slots, v.transpose(1, 2))
-        out = slot_attention(q, keys, values, mask, slots, attn.scaling)
+        keys.index_copy_(2, slots.indices, k)
+        values.index_copy_(2, slots.indices, v.transpose(1, 2))
+        out = slot_attention(q, keys, values, mask, slots.end, attn.scaling)
     x = x + attn.o_proj(out.transpose(1, 2).reshape(1, n, -1))
     h = layer.post_attention_layernorm(x)
     if fused is not None and fused.gate_up is not None:

@@ -35,6 +35,7 @@ from specula.profile import load_profile
 from specula.readers import check_fields, check_safetensors, expect_object, open_safetensors
 from specula.static_cache import (
     FusedProjections,
+    SlotBlock,
     StaticKVCache,
     block_attention_mask,
     decoder_layer_step,
@@ -384,7 +385,7 @@ class _LlamaFamilyRuntime:
         return self.run(tokens, positions, masks, causal, features)
 
     def run(self, tokens, positions, masks: dict, causal: bool, features: FeatureRequest,
-            slots: torch.Tensor | None = None) -> ForwardOutput:
+            slots: SlotBlock | None = None) -> ForwardOutput:
         """The decoder over a block: ``masks`` per attention window (`block_attention_mask`), ``slots`` as in
         `decoder_layer_step`; the stacked projections as `refresh_fused` left them. Plain tensor code from
         embedding to logits, so that it compiles whole."""
