@@ -20,8 +20,6 @@ Two runtimes share this contract:
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +28,7 @@ import torch
 from specula.chat import end_of_turn_ids
 from specula.compiled_step import BLOCK_BUCKETS, CACHE_STEP, CompiledStep
 from specula.errors import SpeculaError
+from specula.kernels import has_cpp_compiler
 from specula.model_source import gguf_source, model_name, resolve_model
 from specula.profile import load_profile
 from specula.readers import check_fields, check_safetensors, expect_object, open_safetensors
@@ -261,8 +260,7 @@ class Target:
         if not isinstance(self.runtime, _LlamaFamilyRuntime):
             raise SpeculaError(f"a compiled step needs a Llama-family target ({', '.join(sorted(LLAMA_FAMILY))}); "
                                f"{self.name} is {self.config.model_type}")
-        compilers = [name for name in (os.environ.get("CXX"), "g++", "clang++", "c++") if name]
-        if self.device.type == "cpu" and not any(shutil.which(name) for name in compilers):
+        if self.device.type == "cpu" and not has_cpp_compiler():
             # Inductor writes C++ for a CPU and would fail at the first step with a long traceback.
             raise SpeculaError("a compiled step on a CPU needs a C++ compiler on PATH (g++, clang++ or $CXX) for "
                                "torch.compile; install one or leave out --compile")

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from specula.errors import SpeculaError
+from specula.kernels import has_cpp_compiler
 from specula.model_source import cache_dir
 
 SOURCE = Path(__file__).with_name("q4_1.cpp")
@@ -42,7 +43,7 @@ def unavailable_reason(device: torch.device | str = "cpu") -> str | None:
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in ("AVX2", "AVX512"):
         return f"the q4_1 kernel needs an x86 CPU with AVX2 (this CPU: {capability})"
-    if not any(shutil.which(c) for c in ("c++", "g++", "clang++")):
+    if not has_cpp_compiler():
         return "building the q4_1 kernel needs a C++ compiler (install g++)"
     if _ninja() is None:
         return "building the q4_1 kernel needs ninja (pip install ninja)"
