@@ -19,8 +19,9 @@ import torch
 from specula.acceptance import Acceptor
 from specula.drafters.base import Drafter
 from specula.errors import SpeculaError
+from specula.packed import Block
 from specula.sampling import SamplingParams, make_generator, pick_token
-from specula.target import Target
+from specula.target import ForwardOutput, Target
 from specula.tree import DraftTree
 
 DRAFT_MARGIN = 64  # KV slots reserved beyond prompt + new tokens for the last cycle's draft tree
@@ -72,68 +73,116 @@ class GenerationStats:
         }
 
 
+class Sequence:
+    """One generation as a state machine, so that one loop serves a single stream and a batch alike.
+
+    `block` says what the target must run next (the prompt first, then each cycle's draft tree);
+    `advance` takes the target's output for that block, accepts, commits, and returns the new tokens.
+    Between the two the caller runs the forward: `stream_tokens` alone, a batched engine packed with
+    other sequences' blocks (`specula.packed.forward_packed`). ``target`` is this sequence's own (its KV cache).
+    """
+
+    def __init__(self, target: Target, drafter: Drafter, prompt: torch.Tensor, max_new_tokens: int,
+                 params: SamplingParams, seed: int | None = None, stop_on_eos: bool = True,
+                 acceptor: Acceptor | None = None, stats: GenerationStats | None = None):
+        prompt = prompt.to(target.device)
+        if prompt.ndim != 1 or prompt.numel() == 0:
+            raise SpeculaError("the prompt is empty")
+        if prompt.numel() >= target.max_length:
+            raise SpeculaError(
+                f"the prompt has {prompt.numel()} tokens; the context limit of {target.name} is {target.max_length}"
+            )
+        if max_new_tokens < 1:
+            raise SpeculaError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        self.target, self.drafter, self.prompt = target, drafter, prompt
+        self.max_new_tokens, self.params = max_new_tokens, params
+        self.acceptor = acceptor or Acceptor()
+        self.stats = stats if stats is not None else GenerationStats()
+        self.generator = make_generator(seed, target.device)
+        self.eos = target.eos_token_ids if stop_on_eos else set()
+        self.stats.prompt_tokens = int(prompt.numel())
+        self.context: torch.Tensor | None = None  # prompt + new tokens, once the prompt has run
+        self._tree: DraftTree | None = None
+        self._started = self._proposed = 0.0
+
+    @property
+    def done(self) -> bool:
+        return bool(self.stats.stop_reason)
+
+    @property
+    def draft_depth(self) -> int:
+        """Depth of the draft tree the next `advance` verifies (0 for the prompt or a root alone)."""
+        return max(self._tree.depths) if self._tree is not None else 0
+
+    def block(self, max_drafts: int | None = None) -> Block:
+        """The next forward: the whole prompt (from an empty cache) first, then a draft tree of at most
+        ``max_drafts`` nodes besides its root (None: as many as the drafter proposes)."""
+        tick = time.perf_counter()
+        if self.context is None:
+            self._started = tick
+            # The KV cache for this generation in one allocation (it grows on demand past it, e.g. a wide tree).
+            self.target.reset()
+            self.target.reserve(self.prompt.numel() + self.max_new_tokens + DRAFT_MARGIN)
+            return Block(self.prompt, None, None, self.drafter.features)
+        # Never draft past the token budget or the context: a tree of depth d yields at most d + 1 tokens
+        # (d drafts and the target's bonus token), and the context already holds the uncommitted root,
+        # so d + 1 new tokens fit only if d <= max_length - len(context) - 1. The verify forward itself
+        # needs one cache slot per tree node: the root's and the drafts' (`room`).
+        target, stats = self.target, self.stats
+        room = target.max_length - target.length
+        max_depth = min(self.max_new_tokens - stats.new_tokens - 1, target.max_length - len(self.context) - 1)
+        if max_drafts is not None:
+            max_depth, room = min(max_depth, max_drafts), min(room, max_drafts + 1)
+        self._tree = self.drafter.propose(self.context, max_depth, self.params, self.generator).prune(max_depth,
+                                                                                                     room)
+        self._proposed = time.perf_counter()
+        stats.draft_time += self._proposed - tick
+        tree = self._tree
+        return Block(tree.tokens, tree.ancestor_mask(), tree.depths, self.drafter.features)
+
+    def advance(self, out: ForwardOutput) -> list[int]:
+        """Take the target's output for the last `block`; returns the new token ids (sets ``stats.stop_reason``
+        when the generation is over)."""
+        target, stats = self.target, self.stats
+        if self.context is None:
+            target.commit()
+            first = pick_token(out.logits[-1], self.params, self.generator)
+            self.drafter.start(self.prompt, out)
+            stats.prefill_time = time.perf_counter() - self._started
+            stats.cycles, stats.new_tokens = 1, 1
+            self.context = torch.cat([self.prompt, torch.tensor([first], device=target.device)])
+            new = [first]
+        else:
+            tree = self._tree
+            result = self.acceptor(tree, out.logits, self.params, self.generator)
+            target.commit(result.accepted_nodes)
+            self.drafter.observe(tree.tokens[result.accepted_nodes], out.select(result.accepted_nodes))
+            stats.verify_time += time.perf_counter() - self._proposed
+            new = tree.tokens[result.accepted_nodes[1:]].tolist() + [result.next_token]
+            new = _clip(new, self.eos, min(self.max_new_tokens - stats.new_tokens,
+                                           target.max_length - len(self.context)))
+            self.context = torch.cat([self.context, torch.tensor(new, device=target.device)])
+            stats.cycles += 1
+            stats.new_tokens += len(new)
+            stats.accepted_lengths.append(result.accepted_drafts)
+            stats.tree_sizes.append(len(tree) - 1)
+            if stats.record_nodes:
+                stats.nodes.append(node_records(tree, result.accepted_nodes))
+            self._tree = None
+        stats.stop_reason = _stop_reason(new, self.eos, stats.new_tokens, self.max_new_tokens, len(self.context),
+                                         target)
+        stats.total_time = time.perf_counter() - self._started
+        return new
+
+
 def stream_tokens(target: Target, drafter: Drafter, prompt: torch.Tensor, max_new_tokens: int,
                   params: SamplingParams, seed: int | None = None, stop_on_eos: bool = True,
                   acceptor: Acceptor | None = None, stats: GenerationStats | None = None,
                   ) -> Iterator[list[int]]:
     """Yield the new token ids of each cycle. ``prompt`` is int64 [P]; ``stats`` is filled in as it runs."""
-    stats = stats if stats is not None else GenerationStats()
-    acceptor = acceptor or Acceptor()
-    prompt = prompt.to(target.device)
-    if prompt.ndim != 1 or prompt.numel() == 0:
-        raise SpeculaError("the prompt is empty")
-    if prompt.numel() >= target.max_length:
-        raise SpeculaError(
-            f"the prompt has {prompt.numel()} tokens; the context limit of {target.name} is {target.max_length}"
-        )
-    if max_new_tokens < 1:
-        raise SpeculaError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    generator = make_generator(seed, target.device)
-    eos = target.eos_token_ids if stop_on_eos else set()
-    stats.prompt_tokens = int(prompt.numel())
-    started = time.perf_counter()
-
-    # The KV cache for this generation in one allocation (it grows on demand past it, e.g. for a wide tree).
-    target.reserve(prompt.numel() + max_new_tokens + DRAFT_MARGIN)
-    out = target.prefill(prompt, drafter.features)
-    first = pick_token(out.logits[-1], params, generator)
-    drafter.start(prompt, out)
-    stats.prefill_time = time.perf_counter() - started
-    stats.cycles, stats.new_tokens = 1, 1
-    context = torch.cat([prompt, torch.tensor([first], device=target.device)])
-    stats.stop_reason = _stop_reason([first], eos, stats.new_tokens, max_new_tokens, len(context), target)
-    stats.total_time = time.perf_counter() - started
-    yield [first]
-
-    while not stats.stop_reason:
-        # Never draft past the token budget or the context: a tree of depth d yields at most d + 1 tokens
-        # (d drafts and the target's bonus token), and the context already holds the uncommitted root,
-        # so d + 1 new tokens fit only if d <= max_length - len(context) - 1. The verify forward itself
-        # needs one cache slot per tree node: the root's and the drafts' (`room`).
-        room = target.max_length - target.length
-        max_depth = min(max_new_tokens - stats.new_tokens - 1, target.max_length - len(context) - 1)
-        tick = time.perf_counter()
-        tree = drafter.propose(context, max_depth, params, generator).prune(max_depth, room)
-        tock = time.perf_counter()
-        verified = target.forward(tree.tokens, tree.ancestor_mask(), tree.depths, drafter.features)
-        result = acceptor(tree, verified.logits, params, generator)
-        target.commit(result.accepted_nodes)
-        drafter.observe(tree.tokens[result.accepted_nodes], verified.select(result.accepted_nodes))
-        stats.verify_time += time.perf_counter() - tock
-        stats.draft_time += tock - tick
-
-        new = tree.tokens[result.accepted_nodes[1:]].tolist() + [result.next_token]
-        new = _clip(new, eos, min(max_new_tokens - stats.new_tokens, target.max_length - len(context)))
-        context = torch.cat([context, torch.tensor(new, device=target.device)])
-        stats.cycles += 1
-        stats.new_tokens += len(new)
-        stats.accepted_lengths.append(result.accepted_drafts)
-        stats.tree_sizes.append(len(tree) - 1)
-        if stats.record_nodes:
-            stats.nodes.append(node_records(tree, result.accepted_nodes))
-        stats.stop_reason = _stop_reason(new, eos, stats.new_tokens, max_new_tokens, len(context), target)
-        stats.total_time = time.perf_counter() - started
-        yield new
+    sequence = Sequence(target, drafter, prompt, max_new_tokens, params, seed, stop_on_eos, acceptor, stats)
+    while not sequence.done:
+        yield sequence.advance(sequence.block().run(target))
 
 
 def node_records(tree: DraftTree, accepted_nodes: list[int]) -> list[tuple[float, bool, int]]:

@@ -86,6 +86,18 @@ class StaticKVCache:
 
 
 
+class Segment(NamedTuple):
+    """One sequence's rows [start, end) of a packed block (many sequences in one forward, `specula.packed`):
+    its own ``cache``, its ``mask`` (`block_attention_mask`, None = causal or one token) and whether SDPA
+    must apply the causal triangle itself (``causal``: a prompt from an empty cache)."""
+
+    cache: StaticKVCache
+    start: int
+    end: int
+    mask: torch.Tensor | None
+    causal: bool
+
+
 class SlotBlock(NamedTuple):
     """Where a compiled step's block goes: cache ``indices`` [n] (increasing, on the cache's device) and ``end``,
     the last of them + 1 as a 0-d int64 CPU tensor (read without a device sync)."""
@@ -181,10 +193,20 @@ class FusedProjections:
         return all(a is b for a, b in zip(self.sources, self._sources(layer), strict=True))
 
 
+def _cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: StaticKVCache, index: int,
+                      mask: torch.Tensor | None, causal: bool, scale: float) -> torch.Tensor:
+    """Write a block's k, v [1, H_kv, n, d] after ``cache``'s prefix (layer ``index``) and attend q [1, H, n, d]
+    over the prefix and the block."""
+    keys, values = cache.write(index, k, v)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal and mask is None,
+                                          scale=scale, enable_gqa=True)
+
+
 def decoder_layer_step(layer: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        cache: StaticKVCache, index: int, mask: torch.Tensor | None, causal: bool,
                        apply_rope, attention_input: torch.Tensor | None = None,
-                       fused: FusedProjections | None = None, slots: SlotBlock | None = None) -> torch.Tensor:
+                       fused: FusedProjections | None = None, slots: SlotBlock | None = None,
+                       segments: list[Segment] | None = None) -> torch.Tensor:
     """One `transformers` Llama-style decoder layer on a block x [1, n, H] using ``cache`` layer ``index``.
 
     ``causal`` asks SDPA for a causal mask when ``mask`` is None (a prefill from an empty cache).
@@ -193,6 +215,8 @@ def decoder_layer_step(layer: torch.nn.Module, x: torch.Tensor, cos: torch.Tenso
     ``slots``: write the block to these cache slots and attend up to the last of them (`slot_attention`;
     ``mask`` covers the whole allocation), so that the committed length is data rather than a shape
     (`specula.compiled_step`); None: write after the committed prefix and attend over it.
+    ``segments``: x packs several sequences' blocks; each attends over its own cache (``cache``, ``mask`` and
+    ``causal`` are then unused).
     """
     attn = layer.self_attn
     n = x.shape[1]
@@ -206,14 +230,17 @@ def decoder_layer_step(layer: torch.nn.Module, x: torch.Tensor, cos: torch.Tenso
     if hasattr(attn, "q_norm"):  # Qwen3 normalises each head before rotary
         q, k = attn.q_norm(q), attn.k_norm(k)
     q, k = apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-    if slots is None:
-        keys, values = cache.write(index, k, v.transpose(1, 2))
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal and mask is None,
-                                             scale=attn.scaling, enable_gqa=True)
+    v = v.transpose(1, 2)
+    if segments is not None:
+        # The linears above and below ran over every sequence's rows at once; attention is per sequence.
+        out = torch.cat([_cached_attention(q[:, :, s.start:s.end], k[:, :, s.start:s.end], v[:, :, s.start:s.end],
+                                           s.cache, index, s.mask, s.causal, attn.scaling) for s in segments], dim=2)
+    elif slots is None:
+        out = _cached_attention(q, k, v, cache, index, mask, causal, attn.scaling)
     else:
         keys, values = cache.keys[index], cache.values[index]
         keys.index_copy_(2, slots.indices, k)
-        values.index_copy_(2, slots.indices, v.transpose(1, 2))
+        values.index_copy_(2, slots.indices, v)
         out = slot_attention(q, keys, values, mask, slots.end, attn.scaling)
     x = x + attn.o_proj(out.transpose(1, 2).reshape(1, n, -1))
     h = layer.post_attention_layernorm(x)

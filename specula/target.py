@@ -19,6 +19,7 @@ Two runtimes share this contract:
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -286,6 +287,13 @@ class Target:
             self.commit([])
         self.reset()
 
+    def fork(self) -> Target:
+        """Another target over the same model and weights with its own empty KV cache: one per sequence when
+        several generate at once (`specula.packed`). Forks run eager (a compiled step belongs to one cache)."""
+        other = copy.copy(self)
+        other.runtime = self.runtime.fork()
+        return other
+
     @property
     def compiled(self) -> bool:
         """Whether decode and verify steps run compiled (`compile`)."""
@@ -354,6 +362,15 @@ class _LlamaFamilyRuntime:
         self.fused = [FusedProjections(layer) for layer in self.layers]
         self.compiled: CompiledStep | None = None  # set by Target.compile
 
+    def fork(self) -> _LlamaFamilyRuntime:
+        """The same layers and stacked projections (shared, not copied), a new empty cache, no compiled step."""
+        other = copy.copy(self)
+        cache = self.cache
+        other.cache = StaticKVCache(len(self.layers), cache.keys[0].shape[1], cache.keys[0].shape[3], cache.capacity,
+                                    cache.keys[0].dtype, cache.keys[0].device)
+        other.compiled = None
+        return other
+
     def refresh_fused(self) -> None:
         """Rebuild the stacked projections of any layer whose linears were replaced (a later requantization)."""
         for i, layer in enumerate(self.layers):
@@ -383,9 +400,10 @@ class _LlamaFamilyRuntime:
         return self.run(tokens, positions, masks, causal, features)
 
     def run(self, tokens, positions, masks: dict, causal: bool, features: FeatureRequest,
-            slots: SlotBlock | None = None) -> ForwardOutput:
+            slots: SlotBlock | None = None, segments: dict | None = None) -> ForwardOutput:
         """The decoder over a block: ``masks`` per attention window (`block_attention_mask`), ``slots`` as in
-        `decoder_layer_step`; the stacked projections as `refresh_fused` left them. Plain tensor code from
+        `decoder_layer_step`, or ``segments`` (per attention window, a list of `Segment`) for a block that packs
+        several sequences; the stacked projections as `refresh_fused` left them. Plain tensor code from
         embedding to logits, so that it compiles whole."""
         base = self.model.model
         x = base.embed_tokens(tokens[None])
@@ -394,8 +412,9 @@ class _LlamaFamilyRuntime:
         for i, layer in enumerate(self.layers):
             if i in features.layer_inputs:
                 layer_inputs[i] = x[0]
-            x = decoder_layer_step(layer, x, cos, sin, self.cache, i, masks[self.windows[i]], causal, self.apply_rope,
-                                   fused=self.fused[i], slots=slots)
+            window = self.windows[i]
+            x = decoder_layer_step(layer, x, cos, sin, self.cache, i, masks.get(window), causal, self.apply_rope,
+                                   fused=self.fused[i], slots=slots, segments=segments and segments[window])
         hidden = base.norm(x)[0]
         logits = self.model.lm_head(hidden)
         return ForwardOutput(logits, hidden if features.final_hidden else None, layer_inputs)
@@ -411,6 +430,9 @@ class _GenericRuntime:
         self.cache = DynamicCache(config=model.config)
         self.length = 0
         self.block = 0
+
+    def fork(self) -> _GenericRuntime:
+        return _GenericRuntime(self.model, 0)
 
     def truncate(self, length: int) -> None:
         from transformers import DynamicCache

@@ -95,6 +95,49 @@ def stories_samples(stories_target):
     return samples
 
 
+STORY_LAYERS = (1, 2, 4)  # low, middle, high of stories260k's 5 layers (2, N//2, N-3 would all be 2)
+
+
+@pytest.fixture(scope="session")
+def eagle_head_dir(stories_target, stories_samples, tmp_path_factory) -> Path:
+    """An EAGLE head trained briefly on the stories samples (it drafts well enough to be accepted often)."""
+    from specula.training.eagle_trainer import train_eagle
+    from specula.training.loop import TrainConfig
+
+    out = tmp_path_factory.mktemp("eagle_head")
+    config = TrainConfig(epochs=6, batch_size=4, lr=3e-3, warmup_steps=5, save_every=1000)
+    train_eagle(stories_target, stories_samples[:16], stories_samples[16:], out, config, log=lambda _: None)
+    return out
+
+
+@pytest.fixture(scope="session")
+def eagle3_samples(stories_target, stories_samples):
+    """The stories samples with the inputs of the fused layers (and the final hidden) attached."""
+    from specula.training.eagle3_trainer import feature_request
+
+    request = feature_request(stories_target.config, STORY_LAYERS)
+    samples = []
+    for sample in stories_samples:
+        out = stories_target.prefill(sample["input_ids"], request)
+        layers = torch.stack([out.layer_inputs[i] for i in request.layer_inputs], 1)
+        samples.append({**sample, "hidden": out.hidden, "target_top": out.logits.argmax(-1), "layer_inputs": layers})
+    return samples
+
+
+@pytest.fixture(scope="session")
+def eagle3_head_dir(stories_target, eagle3_samples, tmp_path_factory) -> Path:
+    """An EAGLE-3 head (draft vocabulary 256) trained briefly on the stories samples."""
+    from specula.training.eagle3_trainer import Eagle3TrainOptions, train_eagle3
+    from specula.training.loop import TrainConfig
+
+    out = tmp_path_factory.mktemp("eagle3_head")
+    config = TrainConfig(epochs=12, batch_size=4, lr=3e-3, warmup_steps=5, save_every=1000)
+    options = Eagle3TrainOptions(draft_vocab_size=256, feature_layers=STORY_LAYERS, steps=3, eval_samples=4,
+                                 tau_prompts=2)
+    train_eagle3(stories_target, eagle3_samples[:16], eagle3_samples[16:], out, config, options, log=lambda _: None)
+    return out
+
+
 @pytest.fixture(scope="module")
 def single_thread():
     """Run a module's tests on one intra-op thread."""

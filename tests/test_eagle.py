@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,14 +14,6 @@ from specula.errors import SpeculaError
 from specula.heads.eagle_head import EagleHead
 from specula.training.eagle_trainer import train_eagle
 from specula.training.loop import TrainConfig
-
-
-@pytest.fixture(scope="module")
-def trained_head_dir(stories_target, stories_samples, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("eagle_head")
-    config = TrainConfig(epochs=6, batch_size=4, lr=3e-3, warmup_steps=5, save_every=1000)
-    train_eagle(stories_target, stories_samples[:16], stories_samples[16:], out, config, log=lambda _: None)
-    return out
 
 
 def test_checkpoint_round_trip_in_the_official_layout(stories_target, tmp_path):
@@ -75,8 +66,8 @@ def test_checkpoint_whose_tensors_disagree_with_config_is_refused(stories_target
         EagleHead.from_pretrained(tmp_path)
 
 
-def test_training_loss_falls(trained_head_dir):
-    history = json.loads((trained_head_dir / "training_history.json").read_text())
+def test_training_loss_falls(eagle_head_dir):
+    history = json.loads((eagle_head_dir / "training_history.json").read_text())
     losses = [h["loss"] for h in history if "loss" in h]
     assert sum(losses[-4:]) / 4 < 0.8 * sum(losses[:4]) / 4
     evaluations = [h["eval"] for h in history if "eval" in h]
@@ -84,9 +75,9 @@ def test_training_loss_falls(trained_head_dir):
 
 
 @pytest.mark.parametrize("method", ["eagle", "eagle2"])
-def test_greedy_output_equals_transformers_generate(method, trained_head_dir):
+def test_greedy_output_equals_transformers_generate(method, eagle_head_dir):
     reference = specula.load(STORIES, method="vanilla", dtype="float32")
-    speculator = specula.load(STORIES, method=method, draft=trained_head_dir, dtype="float32")
+    speculator = specula.load(STORIES, method=method, draft=eagle_head_dir, dtype="float32")
     accepted = 0
     for prompt in STORY_PROMPTS:
         ids = reference.encode(prompt)
@@ -97,8 +88,8 @@ def test_greedy_output_equals_transformers_generate(method, trained_head_dir):
     assert accepted > 0, "the head never drafted an accepted token, so equality proved little"
 
 
-def test_dynamic_tree_keeps_the_most_valuable_connected_nodes(stories_target, trained_head_dir):
-    head = EagleHead.from_pretrained(trained_head_dir)
+def test_dynamic_tree_keeps_the_most_valuable_connected_nodes(stories_target, eagle_head_dir):
+    head = EagleHead.from_pretrained(eagle_head_dir)
     drafter = EagleDrafter(stories_target, head, dynamic=True, total_tokens=12, depth=4, top_k=3)
     prompt = specula.load(STORIES, dtype="float32").encode(STORY_PROMPTS[0])
     out = stories_target.prefill(prompt, drafter.features)
@@ -137,9 +128,9 @@ def test_dynamic_tree_keeps_the_most_valuable_connected_nodes(stories_target, tr
         assert abs(torch.log(tree.confidences[path]).sum().item() - values[i]) < 1e-4
 
 
-def test_dynamic_tree_rerank_matches_brute_force_selection(stories_target, trained_head_dir):
+def test_dynamic_tree_rerank_matches_brute_force_selection(stories_target, eagle_head_dir):
     """All expanded candidates are scored; the kept ones are exactly the total_tokens best."""
-    head = EagleHead.from_pretrained(trained_head_dir)
+    head = EagleHead.from_pretrained(eagle_head_dir)
     drafter = EagleDrafter(stories_target, head, dynamic=True, total_tokens=7, depth=3, top_k=3)
     prompt = specula.load(STORIES, dtype="float32").encode(STORY_PROMPTS[3])
     out = stories_target.prefill(prompt, drafter.features)

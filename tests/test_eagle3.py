@@ -8,38 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import STORIES, STORY_PROMPTS
+from conftest import STORIES, STORY_LAYERS, STORY_PROMPTS
 
 import specula
 from specula.errors import SpeculaError
 from specula.heads.eagle3_head import Eagle3Head, default_feature_layers, dense_ttt_attention, ttt_attention
 from specula.target import FeatureRequest
-from specula.training.eagle3_trainer import Eagle3TrainOptions, choose_draft_vocab, feature_request, train_eagle3
-from specula.training.loop import TrainConfig
-
-STORY_LAYERS = (1, 2, 4)  # low, middle, high of stories260k's 5 layers (2, N//2, N-3 would all be 2)
-
-
-@pytest.fixture(scope="module")
-def eagle3_samples(stories_target, stories_samples):
-    """The stories samples with the inputs of the fused layers (and the final hidden) attached."""
-    request = feature_request(stories_target.config, STORY_LAYERS)
-    samples = []
-    for sample in stories_samples:
-        out = stories_target.prefill(sample["input_ids"], request)
-        layers = torch.stack([out.layer_inputs[i] for i in request.layer_inputs], 1)
-        samples.append({**sample, "hidden": out.hidden, "target_top": out.logits.argmax(-1), "layer_inputs": layers})
-    return samples
-
-
-@pytest.fixture(scope="module")
-def trained_dir(stories_target, eagle3_samples, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("eagle3_head")
-    config = TrainConfig(epochs=12, batch_size=4, lr=3e-3, warmup_steps=5, save_every=1000)
-    options = Eagle3TrainOptions(draft_vocab_size=256, feature_layers=STORY_LAYERS, steps=3, eval_samples=4,
-                                 tau_prompts=2)
-    train_eagle3(stories_target, eagle3_samples[:16], eagle3_samples[16:], out, config, options, log=lambda _: None)
-    return out
+from specula.training.eagle3_trainer import choose_draft_vocab
 
 
 @pytest.mark.parametrize("steps", [1, 2, 4])
@@ -141,8 +116,8 @@ def test_checkpoint_whose_tensors_disagree_with_config_is_refused(stories_target
         Eagle3Head.from_pretrained(tmp_path)
 
 
-def test_training_loss_falls(trained_dir):
-    history = json.loads((trained_dir / "training_history.json").read_text())
+def test_training_loss_falls(eagle3_head_dir):
+    history = json.loads((eagle3_head_dir / "training_history.json").read_text())
     losses = [h["loss"] for h in history if "loss" in h]
     # The soft cross-entropy cannot fall below the target's own entropy, so "falls" means a clear drop.
     assert sum(losses[-4:]) / 4 < 0.75 * sum(losses[:4]) / 4, losses
@@ -152,8 +127,8 @@ def test_training_loss_falls(trained_dir):
 
 
 @pytest.mark.parametrize("prompt", STORY_PROMPTS[16:19])
-def test_eagle3_greedy_equals_transformers_generate(trained_dir, prompt):
-    speculator = specula.load(STORIES, method="eagle3", draft=trained_dir, dtype="float32",
+def test_eagle3_greedy_equals_transformers_generate(eagle3_head_dir, prompt):
+    speculator = specula.load(STORIES, method="eagle3", draft=eagle3_head_dir, dtype="float32",
                               total_tokens=8, depth=6, top_k=3)
     ids = speculator.encode(prompt)
     result = speculator.generate(ids, max_new_tokens=48, stop_on_eos=False)

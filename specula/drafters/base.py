@@ -30,3 +30,7 @@ class Drafter(Protocol):
 
     def observe(self, accepted: torch.Tensor, target_out: ForwardOutput) -> None:
         """Tokens [m] the target just committed (the root and accepted drafts) and its output rows for them."""
+
+    def fork(self) -> Drafter:
+        """A drafter with the same weights and options and its own state, for another sequence generating at
+        the same time (batched serving); weights are shared, not copied."""

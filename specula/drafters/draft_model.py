@@ -8,6 +8,8 @@ first catches up on committed tokens it has not seen, then drafts.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from specula.errors import SpeculaError
@@ -79,6 +81,12 @@ class DraftModelDrafter:
         out = self.draft.forward(tokens)
         self.draft.commit()
         return out.logits[-1]
+
+    def fork(self) -> DraftModelDrafter:
+        other = copy.copy(self)  # the draft model's weights are shared; its KV cache is not
+        other.draft = self.draft.fork()
+        other.seen, other.context_length = [], 0
+        return other
 
     def observe(self, accepted: torch.Tensor, target_out: ForwardOutput) -> None:
         # The committed text is now the proposal's context plus the accepted drafts; whatever the

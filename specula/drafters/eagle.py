@@ -24,6 +24,7 @@ the acceptor's multi-round rule keeps the output exactly target-distributed.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -176,6 +177,13 @@ class EagleDrafter:
 
     def observe(self, accepted: torch.Tensor, target_out: ForwardOutput) -> None:
         self.pending = self.head.target_features(target_out)
+
+    def fork(self) -> EagleDrafter:
+        other = copy.copy(self)  # the head is shared; the state is its KV cache and the pending features
+        other.cache = self.head.new_cache(self.cache.capacity)
+        other.pending = None
+        other._plans = self._plans  # static growth plans depend only on the options
+        return other
 
     def propose(self, context: torch.Tensor, max_depth: int, params: SamplingParams,
                 generator: torch.Generator | None) -> DraftTree:

@@ -25,6 +25,7 @@ as the explicitly lossy `specula.acceptance_typical.TypicalAcceptor`.
 
 from __future__ import annotations
 
+import copy
 import heapq
 import json
 from pathlib import Path
@@ -159,6 +160,11 @@ class MedusaDrafter:
 
     def observe(self, accepted: torch.Tensor, target_out: ForwardOutput) -> None:
         self.hidden = target_out.hidden[-1]
+
+    def fork(self) -> MedusaDrafter:
+        other = copy.copy(self)  # the heads and the tree are shared; the state is the newest hidden state
+        other.hidden = None
+        return other
 
     @torch.no_grad()
     def propose(self, context: torch.Tensor, max_depth: int, params: SamplingParams,

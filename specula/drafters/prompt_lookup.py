@@ -48,3 +48,6 @@ class PromptLookupDrafter:
 
     def observe(self, accepted: torch.Tensor, target_out: ForwardOutput) -> None:
         pass
+
+    def fork(self) -> PromptLookupDrafter:
+        return self  # no state: it reads the context it is given

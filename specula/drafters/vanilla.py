@@ -22,3 +22,6 @@ class VanillaDrafter:
 
     def observe(self, accepted: torch.Tensor, target_out: ForwardOutput) -> None:
         pass
+
+    def fork(self) -> VanillaDrafter:
+        return self  # no state
