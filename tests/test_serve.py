@@ -98,35 +98,47 @@ def metric_samples(server) -> dict[tuple, float]:
 
 
 class Throttled:
-    """A Speculator whose streams wait for ``gate`` (and ``delay`` seconds) before each chunk, recording for each
-    stream how many chunks it yielded and whether it was closed before its end."""
+    """A Speculator whose drafter (and every fork of it, one per batch slot) waits for ``gate`` and ``delay`` seconds
+    before each draft, i.e. before every cycle after a sequence's first token; ``explode`` makes that draft raise.
+    ``waiting`` is set while a draft waits at the gate."""
 
     def __init__(self, speculator, delay: float = 0.0):
         self.inner = speculator
         self.gate = threading.Event()
         self.gate.set()
+        self.waiting = threading.Event()
         self.delay = delay
-        self.explode = False  # raise inside the model after the first chunk
-        self.streams: list[dict] = []
+        self.explode = False
+        self.drafter = GatedDrafter(speculator.drafter, self)
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def stream(self, *args, **kwargs):
-        record = {"chunks": 0, "ended": False}
-        self.streams.append(record)
-        try:
-            for chunk in self.inner.stream(*args, **kwargs):
-                if not self.gate.wait(WAIT_S):
-                    raise RuntimeError("the test never opened the gate")
-                time.sleep(self.delay)
-                if self.explode and record["chunks"]:
-                    raise RuntimeError("the model broke")
-                record["chunks"] += 1
-                yield chunk
-            record["ended"] = True
-        finally:
-            record["closed"] = True
+
+class GatedDrafter:
+    def __init__(self, inner, owner: Throttled):
+        self.inner, self.owner = inner, owner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def propose(self, *args, **kwargs):
+        owner = self.owner
+        owner.waiting.set()
+        if not owner.gate.wait(WAIT_S):
+            raise RuntimeError("the test never opened the gate")
+        owner.waiting.clear()
+        time.sleep(owner.delay)
+        if owner.explode:
+            raise RuntimeError("the model broke")
+        return self.inner.propose(*args, **kwargs)
+
+    def fork(self):
+        return GatedDrafter(self.inner.fork(), self.owner)
+
+
+def finished(server, reason: str) -> float:
+    return metric_samples(server).get(("specula_generations_total", (("finish_reason", reason),)), 0.0)
 
 
 # ---------------------------------------------------------------- completions and chat, equal to specula generate
@@ -349,13 +361,14 @@ def test_models_lists_the_served_name(client):
 
 def test_full_queue_is_a_429_with_retry_after():
     throttled = Throttled(load())
-    with running_server(create_app(throttled, ServeSettings(max_queue=1))) as running:
+    with running_server(create_app(throttled, ServeSettings(max_queue=1, max_batch=1))) as running:
         state = running.config.app.state.specula
         throttled.gate.clear()
         client = client_for(running)
         with ThreadPoolExecutor(2) as pool:
             first = pool.submit(client.completions.create, model=MODEL, prompt="Hi", max_tokens=3, temperature=0)
-            wait_until(lambda: state.engine.batch_size == 1, "the first request is generating")
+            wait_until(lambda: state.engine.batch_size == 1 and throttled.waiting.is_set(),
+                       "the first request is generating")
             second = pool.submit(client.completions.create, model=MODEL, prompt="Hi", max_tokens=3, temperature=0)
             wait_until(lambda: state.engine.queue_length == 1, "the second request waits")
             with http_for(running) as http:
@@ -366,30 +379,31 @@ def test_full_queue_is_a_429_with_retry_after():
         assert refused.json()["error"]["code"] == "queue_full"
 
 
-def test_a_client_leaving_mid_stream_frees_the_worker():
+def test_a_client_leaving_mid_stream_frees_its_slot():
     throttled = Throttled(load(), delay=0.02)  # 400 tokens would take 8 s: the stream is cut long before
-    with running_server(create_app(throttled)) as running:
+    with running_server(create_app(throttled, ServeSettings(max_batch=1))) as running:
+        state = running.config.app.state.specula
         client = client_for(running)
         stream = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=400, temperature=0,
                                            stream=True)
         for _, _chunk in zip(range(3), stream, strict=False):
             pass
         stream.close()  # the connection goes
+        # With one slot, this is served only once the left stream has given its slot back.
         after = client.completions.create(model=MODEL, prompt="Hi", max_tokens=3, temperature=0)
         assert after.usage.completion_tokens == 3
-        left = throttled.streams[0]
-        assert left.get("closed") and not left["ended"] and left["chunks"] < 400
-        assert metric_samples(running)[("specula_generations_total", (("finish_reason", "cancelled"),))] == 1
+        assert finished(running, "cancelled") == 1 and finished(running, "length") == 1
+        wait_until(lambda: state.engine.idle and state.engine.batch_size == 0, "every slot is free")
 
 
-def test_a_client_leaving_before_a_whole_response_frees_the_worker():
+def test_a_client_leaving_before_a_whole_response_frees_its_slot():
     throttled = Throttled(load(), delay=0.02)
-    with running_server(create_app(throttled)) as running:
+    with running_server(create_app(throttled, ServeSettings(max_batch=1))) as running:
         with http_for(running) as http, pytest.raises(httpx.ReadTimeout):
             http.post("/v1/completions", json={**COMPLETION, "max_tokens": 400}, timeout=0.5)
         after = client_for(running).completions.create(model=MODEL, prompt="Hi", max_tokens=3, temperature=0)
         assert after.usage.completion_tokens == 3
-        assert throttled.streams[0].get("closed") and not throttled.streams[0]["ended"]
+        assert finished(running, "cancelled") == 1
 
 
 def test_a_failing_generation_is_a_500_and_the_server_goes_on():
@@ -404,17 +418,17 @@ def test_a_failing_generation_is_a_500_and_the_server_goes_on():
         throttled.explode = False
         served = client.completions.create(model=MODEL, prompt="Hi", max_tokens=5, temperature=0)
         assert served.usage.completion_tokens == 5
-        assert metric_samples(running)[("specula_generations_total", (("finish_reason", "error"),))] == 2
+        assert finished(running, "error") == 2
 
 
 def test_sigterm_lets_in_flight_requests_finish_and_refuses_new_ones():
     throttled = Throttled(load())
     with running_server(create_app(throttled)) as running:
         client = client_for(running)
-        throttled.gate.clear()  # the generation waits at its first token until the shutdown has begun
+        throttled.gate.clear()  # the generation waits after its first token until the shutdown has begun
         stream = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=20, temperature=0,
                                            stream=True)
-        wait_until(lambda: throttled.streams, "generation started")
+        wait_until(throttled.waiting.is_set, "generation started")
         running.handle_exit(signal.SIGTERM, None)
         with http_for(running) as http:
             refused = http.post("/v1/completions", json=COMPLETION)
@@ -423,7 +437,7 @@ def test_sigterm_lets_in_flight_requests_finish_and_refuses_new_ones():
         chunks = list(stream)
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
         assert chunks[-1].choices[0].finish_reason == "length"
-        assert throttled.streams[0]["ended"]
+        assert sum(len(c.choices[0].text) > 0 for c in chunks) > 1
         wait_until(lambda: running.should_exit, "the drained server stops")
 
 
@@ -481,11 +495,13 @@ def test_serve_command_listens_on_localhost_with_the_settings_given(monkeypatch)
     served = {}
     monkeypatch.setattr(specula.serve, "serve", lambda app, **where: served.update(app=app, **where))
     assert main(["serve", "--target", str(STORIES), "--method", "pld", "--dtype", "float32", "--api-key", "k",
-                 "--max-queue", "3", "--max-tokens-limit", "50", "--model-name", "tiny", "--no-profile"]) == 0
+                 "--max-queue", "3", "--max-tokens-limit", "50", "--model-name", "tiny", "--no-profile",
+                 "--max-batch", "4", "--draft-budget", "1:6,2:1,4:0"]) == 0
     settings = served["app"].state.specula.settings
     assert (served["host"], served["port"]) == ("127.0.0.1", 8000)
     assert (settings.api_key, settings.max_queue, settings.max_tokens_limit, settings.model_name) == ("k", 3, 50,
                                                                                                        "tiny")
+    assert (settings.max_batch, settings.draft_budget) == (4, {1: 6, 2: 1, 4: 0})
 
 
 def test_serve_command_refuses_bad_options_before_loading(monkeypatch, capsys):
@@ -494,5 +510,7 @@ def test_serve_command_refuses_bad_options_before_loading(monkeypatch, capsys):
     monkeypatch.setattr(Target, "load", classmethod(lambda cls, *a, **k: pytest.fail("a model was loaded")))
     assert main(["serve", "--target", str(STORIES), "--method", "pld", "--pld-max-ngram", "0"]) == 2
     assert main(["serve", "--max-queue", "0"]) == 2
+    assert main(["serve", "--draft-budget", "2:4"]) == 2  # says nothing of batch size 1
+    assert main(["serve", "--max-batch", "0"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 2 and all(line.startswith("specula: error:") for line in lines)
+    assert len(lines) == 4 and all(line.startswith("specula: error:") for line in lines)

@@ -18,6 +18,8 @@ from specula.cli.common import (
 from specula.compiled_step import WARM_UP_BLOCK
 from specula.errors import SpeculaError
 from specula.methods import DEFAULT_TARGET, build_speculator
+from specula.profile import load_profile
+from specula.serve.budget import DEFAULT_MAX_BATCH, parse_budget_table
 
 API_KEY_ENV = "SPECULA_API_KEY"
 
@@ -29,7 +31,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("serve", help="serve a model over the OpenAI API (chat completions, completions)",
                               description="Serve one target and decoding method over an OpenAI-compatible HTTP API: "
                                           "/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics. "
-                                          "Requests are queued and decoded one at a time.")
+                                          "Up to --max-batch requests decode together (one target forward per "
+                                          "cycle for all of them); the rest wait in a queue.")
     add_model_arguments(p, DEFAULT_TARGET)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default: %(default)s, this machine only)")
@@ -38,6 +41,11 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                    help=f"require 'Authorization: Bearer KEY' on /v1 requests (default: ${API_KEY_ENV}, else none)")
     p.add_argument("--max-queue", type=positive_int, default=64, metavar="N",
                    help="requests that may wait for the decoder; more get HTTP 429 (default: %(default)s)")
+    p.add_argument("--max-batch", type=positive_int, default=DEFAULT_MAX_BATCH, metavar="N",
+                   help="requests decoded together; more wait in the queue (default: %(default)s)")
+    p.add_argument("--draft-budget", type=budget_table, metavar="B:D,...",
+                   help="draft tokens per sequence by batch size, e.g. 1:8,4:2,8:0 (default: chosen from the "
+                        "measured verify cost and the acceptance seen on served requests)")
     p.add_argument("--max-tokens-limit", type=positive_int, metavar="N",
                    help="largest max_tokens a request may ask for (default: the model's context)")
     p.add_argument("--model-name", metavar="NAME", help="the model id clients send (default: the target's name)")
@@ -68,9 +76,27 @@ def run_serve(args: argparse.Namespace) -> int:
               "minute per size the first time on a small CPU)", file=sys.stderr, flush=True)
         speculator.target.warm_up(WARM_UP_BLOCK, speculator.drafter.features)
     settings = ServeSettings(model_name=args.model_name, api_key=args.api_key, max_queue=args.max_queue,
-                             max_tokens_limit=args.max_tokens_limit)
+                             max_tokens_limit=args.max_tokens_limit, max_batch=args.max_batch,
+                             draft_budget=args.draft_budget,
+                             verify_curve=None if args.no_profile else profile_curve(speculator.target))
     serve(create_app(speculator, settings), host=args.host, port=args.port, log_level=args.log_level)
     return 0
+
+
+def budget_table(text: str) -> dict[int, int]:
+    try:
+        return parse_budget_table(text)
+    except SpeculaError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def profile_curve(target) -> dict[int, float] | None:
+    """The verify-cost curve `specula calibrate` measured for this target, if it was measured with the weight
+    format now loaded (else the server measures its own when it starts)."""
+    measured = load_profile(target.name)
+    if not measured or measured.get("weights") != target.weights or not measured.get("verify_cost_s"):
+        return None
+    return {int(n): float(t) for n, t in measured["verify_cost_s"].items()}
 
 
 def is_loopback(host: str) -> bool:

@@ -5,8 +5,8 @@ interface, `runner` runs it under uvicorn with a graceful shutdown.
 """
 
 from specula.serve.app import ServeSettings, create_app
-from specula.serve.engine import Engine, GenerationRequest, RequestStream, SingleSequenceEngine
+from specula.serve.engine import BatchedEngine, Engine, GenerationRequest, RequestStream
 from specula.serve.runner import running_server, serve
 
-__all__ = ["Engine", "GenerationRequest", "RequestStream", "ServeSettings", "SingleSequenceEngine", "create_app",
+__all__ = ["Engine", "GenerationRequest", "RequestStream", "ServeSettings", "BatchedEngine", "create_app",
            "running_server", "serve"]

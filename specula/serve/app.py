@@ -26,14 +26,15 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from specula.errors import SpeculaError
 from specula.sampling import SamplingParams, check_seed
+from specula.serve.budget import DEFAULT_MAX_BATCH, DraftBudget
 from specula.serve.engine import (
+    BatchedEngine,
     Engine,
     EngineStopped,
     Failed,
     Finished,
     GenerationRequest,
     QueueFull,
-    SingleSequenceEngine,
     TextDelta,
 )
 from specula.serve.errors import APIError, bad_request
@@ -61,6 +62,9 @@ class ServeSettings:
     api_key: str | None = None  # None: no authentication
     max_queue: int = 64  # requests waiting for the worker before new ones get 429
     max_tokens_limit: int | None = None  # largest max_tokens a request may ask for (None: the context)
+    max_batch: int = DEFAULT_MAX_BATCH  # sequences decoded together (one packed target forward per cycle)
+    draft_budget: dict[int, int] | None = None  # fixed {batch size: drafts per sequence}; None: measured
+    verify_curve: dict[int, float] | None = None  # {tokens: seconds per forward} (calibrate's); None: measured
     retry_after_s: int = 1
     max_body_bytes: int = 8 * 2**20
 
@@ -83,11 +87,22 @@ class ServerState:
         return self.engine is None or self.engine.idle
 
 
-EngineFactory = Callable[[object, int, ServerMetrics], Engine]
+EngineFactory = Callable[[object, ServeSettings, ServerMetrics], Engine]
+
+
+def batched_engine(speculator, settings: ServeSettings, metrics: ServerMetrics) -> Engine:
+    """The default engine: continuous batching, drafts per sequence from the settings' table, from the given
+    verify-cost curve, or (neither) from a curve measured when it starts (`specula.serve.budget`)."""
+    budget = None
+    if settings.draft_budget is not None:
+        budget = DraftBudget(table=settings.draft_budget, max_batch=settings.max_batch)
+    elif settings.verify_curve:
+        budget = DraftBudget(settings.verify_curve, max_batch=settings.max_batch)
+    return BatchedEngine(speculator, settings.max_queue, metrics, settings.max_batch, budget)
 
 
 def create_app(speculator_or_factory, settings: ServeSettings | None = None,
-               engine_factory: EngineFactory = SingleSequenceEngine) -> FastAPI:
+               engine_factory: EngineFactory = batched_engine) -> FastAPI:
     """An OpenAI-compatible app serving ``speculator_or_factory`` (a `Speculator`, or a callable returning one).
 
     ``app.state.specula`` is the `ServerState`; setting its ``draining`` makes new requests get 503.
@@ -102,7 +117,7 @@ def create_app(speculator_or_factory, settings: ServeSettings | None = None,
         state.speculator = speculator
         state.model_name = settings.model_name or speculator.target.name
         state.created = int(time.time())
-        state.engine = engine_factory(speculator, settings.max_queue, state.metrics)
+        state.engine = engine_factory(speculator, settings, state.metrics)
         state.engine.start()
         try:
             yield

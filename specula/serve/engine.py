@@ -3,11 +3,13 @@
 The HTTP side only knows `Engine`: ``submit(request) -> RequestStream`` (an async
 iterator of `TextDelta` events ending in one `Finished` or `Failed`),
 ``RequestStream.cancel()``, and the load figures the metrics and the graceful
-shutdown read. `SingleSequenceEngine` is the first implementation: one worker
-thread owns the `Speculator` (whose KV cache holds one sequence, so it refuses
-concurrent streams) and serves a bounded FIFO queue one request at a time. A
-batched engine (many sequences per target forward, joining and leaving between
-cycles) can replace it behind the same interface.
+shutdown read. `BatchedEngine` implements it with continuous batching: one worker
+thread keeps up to ``max_batch`` sequences going, each in a slot of its own (a
+`Target.fork` with its own KV cache and a `Drafter.fork`, weights shared), and runs
+one packed target forward per cycle for all of them (`specula.packed`). A request
+joins at the next cycle after a slot frees, and leaves the moment it ends, which
+frees its slot (its cache is reused, not reallocated). How many tokens each
+sequence drafts shrinks with the batch (`specula.serve.budget`).
 
 Threads: `submit` runs on the asyncio loop; the worker posts events back with
 ``loop.call_soon_threadsafe`` onto the request's asyncio queue. Cancelling sets a
@@ -25,8 +27,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from specula.decoding import GenerationStats
+import torch
+
+from specula.decoding import GenerationStats, Sequence
+from specula.detokenize import IncrementalDecoder
 from specula.errors import SpeculaError
+from specula.packed import forward_packed
+from specula.sampling import SamplingParams
+from specula.serve.budget import DraftBudget
 from specula.serve.metrics import ServerMetrics
 from specula.serve.stops import StopMatcher
 
@@ -155,35 +163,67 @@ class Engine(Protocol):
         ...
 
 
-class SingleSequenceEngine:
-    """One worker thread, one sequence at a time, a FIFO queue of at most ``max_queue`` waiting requests."""
+@dataclass
+class Slot:
+    """What one sequence decodes with: a fork of the target (its KV cache) and of the drafter (its state)."""
 
-    def __init__(self, speculator, max_queue: int = 64, metrics: ServerMetrics | None = None):
+    target: object
+    drafter: object
+
+
+@dataclass
+class Running:
+    """A request being generated in a slot."""
+
+    stream: RequestStream
+    slot: Slot
+    sequence: Sequence
+    stats: GenerationStats
+    text: IncrementalDecoder
+    stops: StopMatcher
+    drafted: int = 0  # depth of the draft the current cycle verifies
+    draft_seconds: float = 0.0  # the sequence's drafting time before this cycle
+
+
+class BatchedEngine:
+    """Up to ``max_batch`` sequences per target forward, joining and leaving between cycles; a FIFO queue of at
+    most ``max_queue`` waiting requests. ``budget``: drafts per sequence by batch size (default: measured)."""
+
+    def __init__(self, speculator, max_queue: int = 64, metrics: ServerMetrics | None = None, max_batch: int = 8,
+                 budget: DraftBudget | None = None):
         if max_queue < 1:
             raise SpeculaError(f"max_queue must be >= 1, got {max_queue}")
+        if max_batch < 1:
+            raise SpeculaError(f"max_batch must be >= 1, got {max_batch}")
         self.speculator = speculator
+        self.method = str(getattr(speculator, "method", ""))
+        self.max_batch = max_batch
+        self.budget = budget
         self.metrics = metrics or ServerMetrics()
         self._queue: queue.Queue[RequestStream | None] = queue.Queue(maxsize=max_queue)
         self._lock = threading.Lock()  # guards _unfinished and _stopping against the worker
         self._unfinished = 0  # submitted and not yet ended
-        self._running = 0
-        self._current: RequestStream | None = None  # the request being generated
+        self._running: list[Running] = []
+        self._free: list[Slot] = [Slot(speculator.target, speculator.drafter)]  # slot 0: the speculator's own
+        self._slots = 1
         self._stopping = False
+        self._exit = False
         self._thread: threading.Thread | None = None
 
     # ---------------------------------------------------------------- the Engine interface
 
     def start(self) -> None:
+        if self.budget is None:
+            self.budget = DraftBudget(measured_curve(self.speculator.target, self.max_batch), max_batch=self.max_batch)
         self._thread = threading.Thread(target=self._work, name="specula-engine", daemon=True)
         self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Refuse new requests, fail the queued ones (503), stop the running one and end the worker."""
+        """Refuse new requests, fail the queued ones (503), stop the running ones and end the worker."""
         with self._lock:
             self._stopping = True
-        current = self._current
-        if current is not None:
-            current.cancel()
+        for running in list(self._running):
+            running.stream.cancel()
         while True:
             try:
                 stream = self._queue.get_nowait()
@@ -215,7 +255,7 @@ class SingleSequenceEngine:
 
     @property
     def batch_size(self) -> int:
-        return self._running
+        return len(self._running)
 
     @property
     def idle(self) -> bool:
@@ -224,18 +264,133 @@ class SingleSequenceEngine:
     # ---------------------------------------------------------------- the worker
 
     def _work(self) -> None:
-        while True:
-            stream = self._queue.get()
-            if stream is None:
-                return
-            self._update_gauges()
+        while not (self._exit and not self._running):
             try:
-                self._serve(stream)
-            except Exception:  # never let one request end the worker
+                self._admit()
+                if self._running:
+                    self._cycle()
+            except Exception:  # never let the worker die: fail what was running, go on
                 log.exception("the engine failed outside a generation")
-                stream.post(Failed(500, "the server failed while generating; the request can be retried"))
-            finally:
-                self._ended()
+                for running in list(self._running):
+                    self._end(running, Failed(500, "the server failed while generating; the request can be retried"))
+
+    def _admit(self) -> None:
+        """Start queued requests while slots are free (waiting for one when nothing runs)."""
+        while not self._exit and len(self._running) < self.max_batch:
+            try:
+                stream = self._queue.get(block=not self._running)
+            except queue.Empty:
+                return
+            if stream is None:
+                self._exit = True
+                return
+            self._start(stream)
+
+    def _start(self, stream: RequestStream) -> None:
+        request = stream.request
+        if stream.cancelled:  # its client left while it waited
+            self._post_finished(stream, Finished("cancelled", len(request.prompt_ids), 0, self.method))
+            return
+        slot = self._take_slot()
+        stats = GenerationStats()
+        try:
+            params = SamplingParams(request.temperature, 0, request.top_p)
+            prompt = torch.tensor(request.prompt_ids, dtype=torch.long)
+            sequence = Sequence(slot.target, slot.drafter, prompt, request.max_tokens, params, request.seed,
+                                acceptor=self.speculator.acceptor, stats=stats)
+        except SpeculaError as err:
+            self._free.append(slot)
+            self._post_failed(stream, Failed(400, str(err)))
+            return
+        self._running.append(Running(stream, slot, sequence, stats, IncrementalDecoder(self.speculator.tokenizer),
+                                     StopMatcher(request.stop)))
+        self._update_gauges()
+
+    def _take_slot(self) -> Slot:
+        if self._free:
+            return self._free.pop()
+        self._slots += 1
+        return Slot(self.speculator.target.fork(), self.speculator.drafter.fork())
+
+    def _cycle(self) -> None:
+        """One packed target forward for every running sequence, then each takes its tokens."""
+        budget = self.budget(len(self._running))
+        ready, blocks = [], []
+        for running in list(self._running):
+            running.draft_seconds = running.stats.draft_time
+            try:
+                blocks.append(running.sequence.block(budget))
+            except Exception as err:
+                self._end(running, _failure(err))
+                continue
+            running.drafted = running.sequence.draft_depth
+            ready.append(running)
+        if not ready:
+            return
+        try:
+            outputs = forward_packed([r.slot.target for r in ready], blocks)
+        except Exception as err:
+            for running in ready:
+                self._end(running, _failure(err))
+            return
+        for running, output in zip(ready, outputs, strict=True):
+            try:
+                new = running.sequence.advance(output)
+            except Exception as err:
+                self._end(running, _failure(err))
+                continue
+            self._emit(running, new)
+
+    def _emit(self, running: Running, new: list[int]) -> None:
+        stats, stream = running.stats, running.stream
+        if stats.cycles == 1:
+            self.metrics.time_to_first_token.observe(time.perf_counter() - stream.submitted)
+        else:
+            self.budget.observe(running.drafted, stats.accepted_lengths[-1], stats.draft_time - running.draft_seconds)
+        text, stopped = running.stops.push(running.text.push(new))
+        if running.sequence.done and not stopped:
+            rest, stopped = running.stops.push(running.text.finish())
+            text += rest
+        stream.post(TextDelta(text, new))
+        if stopped:
+            self._end(running, self._finished(running, "stop"))
+        elif stream.cancelled:
+            self._end(running, self._finished(running, "cancelled"))
+        elif running.sequence.done:
+            rest = running.stops.flush()
+            if rest:
+                stream.post(TextDelta(rest, []))
+            self._end(running, self._finished(running, "stop" if stats.stop_reason == "eos" else "length"))
+
+    def _finished(self, running: Running, reason: str) -> Finished:
+        stats = running.stats
+        return Finished(reason, stats.prompt_tokens or len(running.stream.request.prompt_ids), stats.new_tokens,
+                        self.method, stats.tau, list(stats.accepted_lengths), stats.cycles)
+
+    def _end(self, running: Running, event: Finished | Failed) -> None:
+        """The request leaves its slot (free at once for the next one) with its last event."""
+        self._running.remove(running)
+        running.slot.target.reset()
+        self._free.append(running.slot)
+        if isinstance(event, Finished):
+            self._post_finished(running.stream, event)
+        else:
+            self._post_failed(running.stream, event)
+
+    def _post_finished(self, stream: RequestStream, finished: Finished) -> None:
+        m = self.metrics
+        m.generations.labels(finish_reason=finished.finish_reason).inc()
+        m.prompt_tokens.inc(finished.prompt_tokens)
+        m.generated_tokens.inc(finished.completion_tokens)
+        if finished.cycles:
+            m.tau.observe(finished.tau)
+        stream.post(finished)
+        self._ended()
+
+    def _post_failed(self, stream: RequestStream, failed: Failed) -> None:
+        self.metrics.generations.labels(finish_reason="error").inc()
+        stream.post(failed)
+        self._ended()
 
     def _ended(self) -> None:
         with self._lock:
@@ -244,61 +399,28 @@ class SingleSequenceEngine:
 
     def _update_gauges(self) -> None:
         self.metrics.queue_length.set(self.queue_length)
-        self.metrics.batch_size.set(self._running)
+        self.metrics.batch_size.set(len(self._running))
 
-    def _serve(self, stream: RequestStream) -> None:
-        request = stream.request
-        method = str(getattr(self.speculator, "method", ""))
-        if stream.cancelled:  # its client left while it waited
-            self._finish(stream, Finished("cancelled", len(request.prompt_ids), 0, method))
-            return
-        stats = GenerationStats()
-        stops = StopMatcher(request.stop)
-        self._current, self._running = stream, 1
-        self._update_gauges()
-        chunks = self.speculator.stream(list(request.prompt_ids), max_new_tokens=request.max_tokens,
-                                        temperature=request.temperature, top_p=request.top_p, seed=request.seed,
-                                        stats=stats)
-        reason = ""
-        try:
-            for chunk in chunks:
-                if stats.cycles == 1 and chunk.token_ids:
-                    self.metrics.time_to_first_token.observe(time.perf_counter() - stream.submitted)
-                text, stopped = stops.push(chunk.text)
-                stream.post(TextDelta(text, list(chunk.token_ids)))
-                if stopped:
-                    reason = "stop"
-                    break
-                if stream.cancelled:
-                    reason = "cancelled"
-                    break
-            else:
-                rest = stops.flush()
-                if rest:
-                    stream.post(TextDelta(rest, []))
-                reason = "stop" if stats.stop_reason == "eos" else "length"
-        except SpeculaError as err:
-            self._fail(stream, Failed(400, str(err)))
-            return
-        except Exception:
-            log.exception("generation failed")
-            self._fail(stream, Failed(500, "the server failed while generating; the request can be retried"))
-            return
-        finally:
-            chunks.close()  # frees the Speculator for the next request
-            self._current, self._running = None, 0
-        self._finish(stream, Finished(reason, stats.prompt_tokens or len(request.prompt_ids), stats.new_tokens,
-                                      method, stats.tau, list(stats.accepted_lengths), stats.cycles))
 
-    def _finish(self, stream: RequestStream, finished: Finished) -> None:
-        m = self.metrics
-        m.generations.labels(finish_reason=finished.finish_reason).inc()
-        m.prompt_tokens.inc(finished.prompt_tokens)
-        m.generated_tokens.inc(finished.completion_tokens)
-        if finished.cycles:
-            m.tau.observe(finished.tau)
-        stream.post(finished)
+def _failure(err: Exception) -> Failed:
+    """A request's error as the client sees it: its own fault (400) or the server's (500, logged)."""
+    if isinstance(err, SpeculaError):
+        return Failed(400, str(err))
+    log.error("generation failed", exc_info=err)
+    return Failed(500, "the server failed while generating; the request can be retried")
 
-    def _fail(self, stream: RequestStream, failed: Failed) -> None:
-        self.metrics.generations.labels(finish_reason="error").inc()
-        stream.post(failed)
+
+def measured_curve(target, max_batch: int) -> dict[int, float]:
+    """Seconds of one target forward over n tokens, n = 1, 2, 4, … up to 16 per sequence at ``max_batch``,
+    measured now on the loaded target (a few seconds on SmolLM2), for the draft budget."""
+    from specula.bench.calibrate import measure_verify_curve
+
+    sizes, n = [], 1
+    while n <= min(16 * max_batch, 256):
+        sizes.append(n)
+        n *= 2
+    prefix = [int(t) for t in torch.arange(64) % max(2, target.vocab_size)]
+    try:
+        return measure_verify_curve(target, prefix, sizes, repeats=2)
+    finally:
+        target.reset()

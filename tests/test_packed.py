@@ -1,0 +1,109 @@
+"""Many sequences in one target forward (`specula.packed`, the batched server's decode step): every method's
+output for a sequence is what it is alone, whoever shares its forwards, at T=0 and seeded at T=1."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import LLAMA2XS, REPO, STORIES, STORY_PROMPTS
+
+import specula
+from specula.decoding import Sequence, generate_tokens
+from specula.errors import SpeculaError
+from specula.packed import forward_packed
+from specula.sampling import SamplingParams
+from specula.serve.budget import DraftBudget, parse_budget_table
+
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def head_dirs(eagle_head_dir, eagle3_head_dir) -> dict[str, object]:
+    return {"eagle2": eagle_head_dir, "eagle3": eagle3_head_dir}
+
+
+METHODS = {
+    "vanilla": {},
+    "pld": {"num_tokens": 6},
+    "sps": {"draft": LLAMA2XS, "num_tokens": 3},
+    "medusa": {"draft": REPO / "models" / "medusa-stories260k"},
+    "eagle2": {},
+    "eagle3": {},
+}
+
+
+def decode_together(speculator, prompts: list[torch.Tensor], params: SamplingParams, seeds: list[int | None],
+                    budget=None) -> list[list[int]]:
+    """Each prompt in a slot of its own (forks), joining one cycle after the previous, all forwards packed."""
+    slots = [(speculator.target.fork(), speculator.drafter.fork()) for _ in prompts]
+    sequences = [Sequence(t, d, p, NEW_TOKENS, params, seed, acceptor=speculator.acceptor)
+                 for (t, d), p, seed in zip(slots, prompts, seeds, strict=True)]
+    out: list[list[int]] = [[] for _ in prompts]
+    for step in range(10_000):
+        live = [k for k in range(min(step + 1, len(prompts))) if not sequences[k].done]
+        if not live and step >= len(prompts):
+            return out
+        if not live:
+            continue
+        blocks = [sequences[k].block(None if budget is None else budget(len(live))) for k in live]
+        for k, output in zip(live, forward_packed([slots[k][0] for k in live], blocks), strict=True):
+            out[k] += sequences[k].advance(output)
+    raise AssertionError("the sequences never ended")
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_sequence_decodes_the_same_alone_and_packed_with_others(method, temperature, head_dirs):
+    options = dict(METHODS[method])
+    if method in head_dirs:
+        options["draft"] = head_dirs[method]
+    speculator = specula.load(STORIES, method=method, dtype="float32", profile=False, **options)
+    params = SamplingParams(temperature)
+    prompts = [speculator.encode(p, raw=True) for p in STORY_PROMPTS[:4]]
+    seeds = [None] * 4 if temperature == 0 else [11, 12, 13, 14]
+    alone = [generate_tokens(speculator.target, speculator.drafter, p, NEW_TOKENS, params, seed=s)
+             for p, s in zip(prompts, seeds, strict=True)]
+    assert decode_together(speculator, prompts, params, seeds) == [tokens for tokens, _ in alone]
+    if method != "vanilla" and temperature == 0:  # (sampled, a few short stories may accept nothing)
+        assert sum(sum(stats.accepted_lengths) for _, stats in alone) > 0, "no draft was ever accepted"
+
+
+def test_a_draft_budget_caps_drafts_without_changing_the_output():
+    speculator = specula.load(STORIES, method="pld", dtype="float32", profile=False, num_tokens=6)
+    prompts = [speculator.encode(p, raw=True) for p in STORY_PROMPTS[:3]]
+    params = SamplingParams()
+    alone = [generate_tokens(speculator.target, speculator.drafter, p, NEW_TOKENS, params)[0] for p in prompts]
+    capped = DraftBudget(table={1: 6, 2: 1, 3: 0})
+    assert decode_together(speculator, prompts, params, [None] * 3, capped) == alone
+    target, drafter = speculator.target.fork(), speculator.drafter.fork()
+    sequence = Sequence(target, drafter, prompts[0], NEW_TOKENS, params)
+    sequence.advance(sequence.block().run(target))
+    assert len(sequence.block(max_drafts=0).tokens) == 1  # the root alone: a plain decoding step
+
+
+def test_the_measured_budget_drafts_less_as_the_batch_fills_the_machine():
+    # A CPU-like curve: 16 tokens cost 4.5 steps, 64 tokens 16.
+    curve = {1: 1.0, 2: 1.3, 4: 1.7, 8: 2.6, 16: 4.5, 32: 8.5, 64: 16.0, 128: 32.0}
+    budget = DraftBudget(curve, max_batch=16)
+    for i in range(210):  # chains of 6 drafts accepting 0, 0, 1, 1, 2, 3, 6 of them in turn (τ(6) = 2.86)
+        budget.observe(6, [0, 0, 1, 1, 2, 3, 6][i % 7], 0.0)
+    assert budget(1) is None  # one sequence drafts as configured
+    plan = budget.plan()
+    assert plan[2] == 1 and plan[16] == 0
+    assert all(plan[b] >= plan[b + 1] for b in range(2, 16))
+    rejected = DraftBudget(curve, max_batch=16)
+    for _ in range(200):
+        rejected.observe(6, 0, 0.0)  # nothing is ever accepted: drafting never pays with company
+    assert rejected.plan()[2] == 0
+
+
+@pytest.mark.parametrize("text", ["", "2:4", "1:x", "0:3,1:2", "1:2,4"])
+def test_a_malformed_budget_table_is_refused(text):
+    with pytest.raises(SpeculaError):
+        parse_budget_table(text)
+
+
+def test_a_budget_table_reads_as_steps():
+    table = parse_budget_table("1:8, 4:2,8:0")
+    budget = DraftBudget(table=table)
+    assert [budget(b) for b in (1, 3, 4, 7, 8, 16)] == [8, 8, 2, 2, 0, 0]
