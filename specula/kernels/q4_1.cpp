@@ -19,6 +19,7 @@
 namespace {
 
 constexpr int64_t kBlock = 32;
+constexpr int64_t kRowChunk = 64;  // rows per pass over the outputs (a multiple of 4: dot_rows<4> groups)
 
 inline float horizontal_sum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -163,14 +164,19 @@ torch::Tensor q4_1_linear(const torch::Tensor& x, const torch::Tensor& qs, const
   const float *dx_ = dx.data_ptr<float>(), *sx_ = sx.data_ptr<float>();
   float* y_ = y.data_ptr<float>();
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      int64_t i0 = 0;
-      for (; i0 + 4 <= M; i0 += 4) dot_rows<4>(qs_, d_, m_, q_, dx_, sx_, y_, n, i0, K, N);
-      switch (M - i0) {
-        case 3: dot_rows<3>(qs_, d_, m_, q_, dx_, sx_, y_, n, i0, K, N); break;
-        case 2: dot_rows<2>(qs_, d_, m_, q_, dx_, sx_, y_, n, i0, K, N); break;
-        case 1: dot_rows<1>(qs_, d_, m_, q_, dx_, sx_, y_, n, i0, K, N); break;
-        default: break;
+    // Rows in chunks whose codes stay in cache while every output of the range reads them (a prompt of
+    // 1,500 rows is 0.9 MB of codes per 576-wide layer: streamed once per output, it was 10x slower).
+    for (int64_t c0 = 0; c0 < M; c0 += kRowChunk) {
+      const int64_t c1 = std::min(M, c0 + kRowChunk);
+      for (int64_t n = n0; n < n1; ++n) {
+        int64_t i0 = c0;
+        for (; i0 + 4 <= c1; i0 += 4) dot_rows<4>(qs_, d_, m_, q_, dx_, sx_, y_, n, i0, K, N);
+        switch (c1 - i0) {
+          case 3: dot_rows<3>(qs_, d_, m_, q_, dx_, sx_, y_, n, i0, K, N); break;
+          case 2: dot_rows<2>(qs_, d_, m_, q_, dx_, sx_, y_, n, i0, K, N); break;
+          case 1: dot_rows<1>(qs_, d_, m_, q_, dx_, sx_, y_, n, i0, K, N); break;
+          default: break;
+        }
       }
     }
   });
