@@ -110,13 +110,16 @@ class Sequence:
         return bool(self.stats.stop_reason)
 
     @property
-    def draft_depth(self) -> int:
-        """Depth of the draft tree the next `advance` verifies (0 for the prompt or a root alone)."""
-        return max(self._tree.depths) if self._tree is not None else 0
+    def nodes_per_depth(self) -> list[int]:
+        """Draft nodes at depth 1, 2, … of the tree the next `advance` verifies ([] for the prompt or a root)."""
+        if self._tree is None:
+            return []
+        depths = self._tree.depths
+        return [depths.count(d) for d in range(1, max(depths) + 1)]
 
-    def block(self, max_drafts: int | None = None) -> Block:
-        """The next forward: the whole prompt (from an empty cache) first, then a draft tree of at most
-        ``max_drafts`` nodes besides its root (None: as many as the drafter proposes)."""
+    def block(self, max_depth: int | None = None) -> Block:
+        """The next forward: the whole prompt (from an empty cache) first, then a draft tree no deeper than
+        ``max_depth`` (None: as deep as the drafter proposes; 0: the root alone, a plain decoding step)."""
         tick = time.perf_counter()
         if self.context is None:
             self._started = tick
@@ -130,11 +133,9 @@ class Sequence:
         # needs one cache slot per tree node: the root's and the drafts' (`room`).
         target, stats = self.target, self.stats
         room = target.max_length - target.length
-        max_depth = min(self.max_new_tokens - stats.new_tokens - 1, target.max_length - len(self.context) - 1)
-        if max_drafts is not None:
-            max_depth, room = min(max_depth, max_drafts), min(room, max_drafts + 1)
-        self._tree = self.drafter.propose(self.context, max_depth, self.params, self.generator).prune(max_depth,
-                                                                                                     room)
+        depth = min(self.max_new_tokens - stats.new_tokens - 1, target.max_length - len(self.context) - 1)
+        depth = depth if max_depth is None else min(depth, max_depth)
+        self._tree = self.drafter.propose(self.context, depth, self.params, self.generator).prune(depth, room)
         self._proposed = time.perf_counter()
         stats.draft_time += self._proposed - tick
         tree = self._tree

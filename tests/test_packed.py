@@ -78,23 +78,27 @@ def test_a_draft_budget_caps_drafts_without_changing_the_output():
     target, drafter = speculator.target.fork(), speculator.drafter.fork()
     sequence = Sequence(target, drafter, prompts[0], NEW_TOKENS, params)
     sequence.advance(sequence.block().run(target))
-    assert len(sequence.block(max_drafts=0).tokens) == 1  # the root alone: a plain decoding step
+    assert len(sequence.block(max_depth=0).tokens) == 1  # the root alone: a plain decoding step
 
 
-def test_the_measured_budget_drafts_less_as_the_batch_fills_the_machine():
-    # A CPU-like curve: 16 tokens cost 4.5 steps, 64 tokens 16.
+def test_the_measured_budget_drafts_less_deep_as_the_batch_fills_the_machine():
+    # A CPU-like curve: 16 tokens cost 4.5 one-token steps, 64 tokens 16.
     curve = {1: 1.0, 2: 1.3, 4: 1.7, 8: 2.6, 16: 4.5, 32: 8.5, 64: 16.0, 128: 32.0}
-    budget = DraftBudget(curve, max_batch=16)
+    chain = DraftBudget(curve)
     for i in range(210):  # chains of 6 drafts accepting 0, 0, 1, 1, 2, 3, 6 of them in turn (τ(6) = 2.86)
-        budget.observe(6, [0, 0, 1, 1, 2, 3, 6][i % 7], 0.0)
-    assert budget(1) is None  # one sequence drafts as configured
-    plan = budget.plan()
-    assert plan[2] == 1 and plan[16] == 0
-    assert all(plan[b] >= plan[b + 1] for b in range(2, 16))
-    rejected = DraftBudget(curve, max_batch=16)
-    for _ in range(200):
-        rejected.observe(6, 0, 0.0)  # nothing is ever accepted: drafting never pays with company
-    assert rejected.plan()[2] == 0
+        chain.observe([1] * 6, [0, 0, 1, 1, 2, 3, 6][i % 7], 0.0)
+    plan = chain.plan()
+    assert (plan[1], plan[2], plan[16]) == (2, 1, 0)
+    assert all(plan[b] >= plan[b + 1] for b in range(1, 16))
+    accepted = DraftBudget(curve)
+    for _ in range(210):
+        accepted.observe([1] * 6, 6, 0.0)  # every draft accepted: uncapped while the machine has room
+    assert accepted.plan()[1] is None and accepted.plan()[16] < 6
+    wide = DraftBudget(curve)
+    for i in range(210):  # trees of 8 nodes per level: τ 2.4 for 41 verified tokens never pays here
+        wide.observe([8] * 5, [0, 1, 1, 2, 3][i % 5], 0.0)
+    assert set(wide.plan().values()) == {0}
+    assert sum(wide(1) is None for _ in range(64)) == 64 // 16  # but one cycle in 16 still drafts uncapped
 
 
 @pytest.mark.parametrize("text", ["", "2:4", "1:x", "0:3,1:2", "1:2,4"])

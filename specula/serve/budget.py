@@ -1,24 +1,26 @@
-"""How many tokens each sequence may draft when B sequences share one target forward.
+"""How deep each sequence may draft when B sequences share one target forward.
 
-At batch size 1 a verify pass over k tokens costs v(k) ≈ a few one-token steps on a CPU, and drafting
-pays when it yields more tokens than that. With B sequences packed (`specula.packed`), one pass costs
-v(B·(d+1)) for d drafts each: the matmuls fill up, and speculation that helps one user slows sixteen.
-`DraftBudget` picks, per batch size, the d that maximises expected tokens per second for the batch:
+A verify pass over k tokens costs v(k) — on a CPU a few one-token steps for k = 16, not one — and
+drafting pays only when it yields more tokens than that. With B sequences packed (`specula.packed`)
+one pass costs v(B·(1 + n(d))) for drafts of depth d holding n(d) nodes each: the matmuls fill up, and
+speculation that helps one user slows sixteen. `DraftBudget` picks, per batch size, the depth d that
+maximises expected tokens per second for the batch:
 
-    B · τ(d) / (v(B·(d+1)) + B · d · c)
+    B · τ(d) / (v(B·(1 + n(d))) + B · d · c)
 
-with v the measured verify-cost curve (`specula calibrate`'s, or measured when the server starts),
-c the measured draft cost per drafted token, and τ(d) = 1 + Σ_{i≤d} P(a cycle accepts ≥ i drafts), the
-acceptance measured on the traffic the server has served (per depth: accepted at least i / drafted at
-least i, so a cap on d does not bias the depths it leaves). Until traffic arrives, each depth starts at
-`PRIOR_ACCEPTANCE` with the weight of `PRIOR_CYCLES` cycles. At batch size 1 the method drafts as
-configured (its options were chosen for one sequence). A fixed table (``--draft-budget 1:8,4:2,8:0``)
-replaces all of this.
+with v the measured verify-cost curve (`specula calibrate`'s, or measured when the server starts), c the
+measured drafting seconds per depth level, n(d) the mean nodes a draft holds down to depth d, and
+τ(d) = 1 + Σ_{i≤d} P(a cycle accepts ≥ i drafts), all measured on the traffic served (acceptance per
+depth i as accepted ≥ i over drafted ≥ i, so a cap leaves the depths above it unbiased). Before any
+traffic each depth starts at `PRIOR_ACCEPTANCE` with the weight of `PRIOR_CYCLES` cycles, and one cycle
+in `EXPLORE_EVERY` drafts uncapped so that depths a cap hides keep being measured. A method whose
+drafts do not pay on this machine thus falls back towards plain decoding, at any batch size. A fixed
+table (``--draft-budget 1:8,4:2,8:0``) replaces all of this.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from specula.bench.theory import verify_cost
 from specula.errors import SpeculaError
@@ -26,82 +28,94 @@ from specula.errors import SpeculaError
 DEFAULT_MAX_BATCH = 16  # sequences per packed forward: SmolLM2 q4_1 151 tok/s at 16 vs 134 at 8, 164 at 32 (2x latency)
 PRIOR_ACCEPTANCE = 0.5  # P(depth i accepted | depth i-1 accepted) before any traffic
 PRIOR_CYCLES = 4  # how many cycles' weight that prior carries
-MAX_DEPTH = 16  # depths tracked
+EXPLORE_EVERY = 16  # one cycle in this many drafts as deep as the method likes
+REPLAN_EVERY = 32  # cycles observed between two plans
+MAX_DEPTH = 32  # depths tracked
 
 
 def parse_budget_table(text: str) -> dict[int, int]:
-    """``"1:8,4:2,8:0"`` → {1: 8, 4: 2, 8: 0}: from batch size 4 on, at most 2 drafts per sequence, and so on."""
+    """``"1:8,4:2,8:0"`` → {1: 8, 4: 2, 8: 0}: from batch size 4 on, drafts at most 2 deep, and so on."""
     table = {}
     for item in text.split(","):
-        batch, sep, drafts = item.strip().partition(":")
-        if not sep or not batch.strip().isdigit() or not drafts.strip().isdigit() or int(batch) < 1:
-            raise SpeculaError(f"a draft budget is 'batch:drafts' pairs like 1:8,4:2,8:0 (batch >= 1, drafts >= 0); "
+        batch, sep, depth = item.strip().partition(":")
+        if not sep or not batch.strip().isdigit() or not depth.strip().isdigit() or int(batch) < 1:
+            raise SpeculaError(f"a draft budget is 'batch:depth' pairs like 1:8,4:2,8:0 (batch >= 1, depth >= 0); "
                                f"got {text!r}")
-        table[int(batch)] = int(drafts)
+        table[int(batch)] = int(depth)
     if 1 not in table:
         raise SpeculaError(f"a draft budget table must say what batch size 1 drafts (e.g. 1:8,...); got {text!r}")
     return table
 
 
 class DraftBudget:
-    """``budget(batch_size)`` → the most draft tokens per sequence (None: as many as the drafter proposes).
+    """``budget(batch_size)`` → the deepest draft allowed this cycle (None: as deep as the drafter likes).
 
-    ``curve``: {n: seconds of one forward over n tokens}; ``table``: a fixed {batch size: drafts} instead.
-    `observe` feeds each finished cycle's drafted depth, accepted drafts and drafting seconds.
+    ``curve``: {n: seconds of one forward over n tokens}; ``table``: a fixed {batch size: depth} instead.
+    `observe` takes each verified cycle's draft (nodes per depth), accepted drafts and drafting seconds.
     """
 
     def __init__(self, curve: Mapping[int, float] | None = None, table: Mapping[int, int] | None = None,
-                 max_batch: int = 16):
+                 max_batch: int = DEFAULT_MAX_BATCH):
         if curve is None and table is None:
             raise ValueError("a draft budget needs a verify-cost curve or a table")
         self.curve = dict(curve or {})
         self.table = dict(sorted(table.items())) if table else None
         self.max_batch = max_batch
-        # Per depth i (1-based): cycles that drafted at least i tokens, and those that accepted at least i.
+        # Per depth i (index i-1): cycles that drafted that deep, those that accepted that deep, nodes there.
         self.drafted = [float(PRIOR_CYCLES)] * MAX_DEPTH
         self.accepted = [PRIOR_CYCLES * PRIOR_ACCEPTANCE ** (i + 1) for i in range(MAX_DEPTH)]
-        self.deepest = 0  # the deepest draft seen: the drafter's own budget
-        self.draft_seconds, self.draft_tokens = 0.0, 0
-        self._cached: dict[int, int | None] = {}
-        self._since = 0
+        self.nodes = [float(PRIOR_CYCLES)] * MAX_DEPTH
+        self.deepest = 0  # the deepest draft seen: the drafter's own depth
+        self.draft_seconds, self.draft_levels = 0.0, 0
+        self._plans: dict[int, int | None] = {}
+        self._observed = self._calls = 0
 
-    def observe(self, drafted: int, accepted: int, draft_seconds: float) -> None:
-        """One verify cycle of one sequence: its tree's depth, the drafts accepted, the seconds spent drafting."""
-        drafted = min(drafted, MAX_DEPTH)
-        for i in range(drafted):
+    def observe(self, nodes_per_depth: Sequence[int], accepted: int, draft_seconds: float) -> None:
+        """One verified cycle of one sequence: its draft's node count at depth 1, 2, …, the drafts accepted and
+        the seconds spent drafting."""
+        depth = min(len(nodes_per_depth), MAX_DEPTH)
+        for i in range(depth):
             self.drafted[i] += 1
             self.accepted[i] += accepted > i
-        self.deepest = max(self.deepest, drafted)
-        if drafted:
+            self.nodes[i] += nodes_per_depth[i]
+        self.deepest = max(self.deepest, depth)
+        if depth:
             self.draft_seconds += draft_seconds
-            self.draft_tokens += drafted
-        self._since += 1
-        if self._since >= 32:  # re-plan every 32 cycles, not every call
-            self._cached.clear()
-            self._since = 0
+            self.draft_levels += depth
+        self._observed += 1
+        if self._observed % REPLAN_EVERY == 0:
+            self._plans.clear()
 
-    def expected_tokens(self, drafts: int) -> float:
+    def expected_tokens(self, depth: int) -> float:
         """τ(d): 1 + Σ_{i ≤ d} P(accepted ≥ i), as served so far."""
-        return 1.0 + sum(self.accepted[i] / self.drafted[i] for i in range(min(drafts, MAX_DEPTH)))
+        return 1.0 + sum(self.accepted[i] / self.drafted[i] for i in range(min(depth, MAX_DEPTH)))
+
+    def draft_nodes(self, depth: int) -> float:
+        """n(d): mean nodes of a draft down to depth d, as served so far."""
+        return sum(self.nodes[i] / self.drafted[i] for i in range(min(depth, MAX_DEPTH)))
 
     def __call__(self, batch: int) -> int | None:
         if self.table is not None:
             return self.table[max(b for b in self.table if b <= batch)]
-        if batch <= 1 or self.deepest == 0:
+        self._calls += 1
+        if self.deepest == 0 or self._calls % EXPLORE_EVERY == 0:
             return None
-        if batch not in self._cached:
-            self._cached[batch] = self._plan(batch)
-        return self._cached[batch]
+        if batch not in self._plans:
+            self._plans[batch] = self.best_depth(batch)
+        return self._plans[batch]
 
-    def _plan(self, batch: int) -> int | None:
-        per_draft = self.draft_seconds / self.draft_tokens if self.draft_tokens else 0.0
+    def best_depth(self, batch: int) -> int | None:
+        """The depth with the most expected tokens per second for ``batch`` sequences (None: uncapped)."""
+        per_level = self.draft_seconds / self.draft_levels if self.draft_levels else 0.0
 
         def rate(d: int) -> float:
-            return batch * self.expected_tokens(d) / (verify_cost(self.curve, batch * (d + 1)) + batch * d * per_draft)
+            verify = verify_cost(self.curve, round(batch * (1 + self.draft_nodes(d))))
+            return batch * self.expected_tokens(d) / (verify + batch * d * per_level)
 
         best = max(range(self.deepest + 1), key=lambda d: (rate(d), -d))
         return None if best == self.deepest else best
 
     def plan(self, max_batch: int | None = None) -> dict[int, int | None]:
-        """{batch size: drafts per sequence} for 1..max_batch as things stand (for logs and /health)."""
-        return {b: self(b) for b in range(1, (max_batch or self.max_batch) + 1)}
+        """{batch size: deepest draft} for 1..max_batch as things stand (for logs and tests)."""
+        return {b: self.best_depth(b) if self.table is None else self(b)
+                for b in range(1, (max_batch or self.max_batch) + 1)}

@@ -181,7 +181,7 @@ class Running:
     stats: GenerationStats
     text: IncrementalDecoder
     stops: StopMatcher
-    drafted: int = 0  # depth of the draft the current cycle verifies
+    drafted: list[int] = field(default_factory=list)  # nodes per depth of the draft this cycle verifies
     draft_seconds: float = 0.0  # the sequence's drafting time before this cycle
 
 
@@ -323,7 +323,7 @@ class BatchedEngine:
             except Exception as err:
                 self._end(running, _failure(err))
                 continue
-            running.drafted = running.sequence.draft_depth
+            running.drafted = running.sequence.nodes_per_depth
             ready.append(running)
         if not ready:
             return
