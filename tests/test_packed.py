@@ -68,11 +68,15 @@ def test_a_sequence_decodes_the_same_alone_and_packed_with_others(method, temper
         assert sum(sum(stats.accepted_lengths) for _, stats in alone) > 0, "no draft was ever accepted"
 
 
-def test_a_draft_budget_caps_drafts_without_changing_the_output():
-    speculator = specula.load(STORIES, method="pld", dtype="float32", profile=False, num_tokens=6)
+@pytest.mark.parametrize("method", ["pld", "eagle2", "eagle3"])
+def test_a_draft_budget_caps_drafts_without_changing_the_output(method, head_dirs):
+    options = {"draft": head_dirs[method]} if method in head_dirs else {"num_tokens": 6}
+    speculator = specula.load(STORIES, method=method, dtype="float32", profile=False, **options)
     prompts = [speculator.encode(p, raw=True) for p in STORY_PROMPTS[:3]]
     params = SamplingParams()
     alone = [generate_tokens(speculator.target, speculator.drafter, p, NEW_TOKENS, params)[0] for p in prompts]
+    # The batch grows 1, 2, 3 and shrinks as they finish: depth caps 6, 1, 0 (EAGLE's head then catches up
+    # on every skipped token at its next draft).
     capped = DraftBudget(table={1: 6, 2: 1, 3: 0})
     assert decode_together(speculator, prompts, params, [None] * 3, capped) == alone
     target, drafter = speculator.target.fork(), speculator.drafter.fork()

@@ -176,7 +176,10 @@ class EagleDrafter:
         self.pending = self.head.target_features(target_out)
 
     def observe(self, accepted: torch.Tensor, target_out: ForwardOutput) -> None:
-        self.pending = self.head.target_features(target_out)
+        # Features not yet fed to the head pile up while no drafting is asked for (depth 0: a batched server
+        # whose budget says drafting does not pay); the next draft feeds them all in one head step.
+        features = self.head.target_features(target_out)
+        self.pending = features if self.pending is None else torch.cat([self.pending, features])
 
     def fork(self) -> EagleDrafter:
         other = copy.copy(self)  # the head is shared; the state is its KV cache and the pending features
@@ -188,17 +191,18 @@ class EagleDrafter:
     def propose(self, context: torch.Tensor, max_depth: int, params: SamplingParams,
                 generator: torch.Generator | None) -> DraftTree:
         self._params, self._generator = params, generator
+        depth = min(self.depth if self.dynamic else max(map(len, self.choices)), max_depth)
+        if depth <= 0:
+            return DraftTree.root_only(int(context[-1]), device=context.device)
         # Catch up: pair each new feature f_i with t_{i+1}; the last pair ends with the root.
         count = self.pending.shape[0]
         start = self.cache.length
         positions = torch.arange(start, start + count, device=context.device)
         predicted = self.head.step(self.pending, self.embed(context[-count:]), positions, self.cache, None)
+        self.pending = None
         self.cache.commit()
         root_feature = predicted[-1:]
         committed = self.cache.length
-        depth = min(self.depth if self.dynamic else max(map(len, self.choices)), max_depth)
-        if depth <= 0:
-            return DraftTree.root_only(int(context[-1]), device=context.device)
         try:
             nodes = self._grow(root_feature, depth) if self.dynamic else self._grow_static(root_feature, depth)
         finally:
