@@ -12,8 +12,9 @@ with v the measured verify-cost curve (`specula calibrate`'s, or measured when t
 measured drafting seconds per depth level, n(d) the mean nodes a draft holds down to depth d, and
 τ(d) = 1 + Σ_{i≤d} P(a cycle accepts ≥ i drafts), all measured on the traffic served (acceptance per
 depth i as accepted ≥ i over drafted ≥ i, so a cap leaves the depths above it unbiased). Before any
-traffic each depth starts at `PRIOR_ACCEPTANCE` with the weight of `PRIOR_CYCLES` cycles, and one cycle
-in `EXPLORE_EVERY` drafts uncapped so that depths a cap hides keep being measured. A method whose
+traffic each depth starts at `PRIOR_ACCEPTANCE` with the weight of `PRIOR_CYCLES` cycles, and one
+sequence-cycle in `EXPLORE_EVERY` drafts uncapped so that depths a cap hides keep being measured (one
+sequence at a time: sixteen uncapped trees at once would double that cycle's cost). A method whose
 drafts do not pay on this machine thus falls back towards plain decoding, at any batch size. A fixed
 table (``--draft-budget 1:8,4:2,8:0``) replaces all of this.
 """
@@ -28,7 +29,7 @@ from specula.errors import SpeculaError
 DEFAULT_MAX_BATCH = 16  # sequences per packed forward: SmolLM2 q4_1 151 tok/s at 16 vs 134 at 8, 164 at 32 (2x latency)
 PRIOR_ACCEPTANCE = 0.5  # P(depth i accepted | depth i-1 accepted) before any traffic
 PRIOR_CYCLES = 4  # how many cycles' weight that prior carries
-EXPLORE_EVERY = 16  # one cycle in this many drafts as deep as the method likes
+EXPLORE_EVERY = 64  # one sequence-cycle in this many drafts as deep as the method likes
 REPLAN_EVERY = 32  # cycles observed between two plans
 MAX_DEPTH = 32  # depths tracked
 
@@ -48,7 +49,8 @@ def parse_budget_table(text: str) -> dict[int, int]:
 
 
 class DraftBudget:
-    """``budget(batch_size)`` → the deepest draft allowed this cycle (None: as deep as the drafter likes).
+    """``budget(batch_size)`` → the deepest draft one sequence may make this cycle, asked per sequence (None: as
+    deep as the drafter likes).
 
     ``curve``: {n: seconds of one forward over n tokens}; ``table``: a fixed {batch size: depth} instead.
     `observe` takes each verified cycle's draft (nodes per depth), accepted drafts and drafting seconds.

@@ -314,12 +314,12 @@ class BatchedEngine:
 
     def _cycle(self) -> None:
         """One packed target forward for every running sequence, then each takes its tokens."""
-        budget = self.budget(len(self._running))
+        batch = len(self._running)
         ready, blocks = [], []
         for running in list(self._running):
             running.draft_seconds = running.stats.draft_time
             try:
-                blocks.append(running.sequence.block(budget))
+                blocks.append(running.sequence.block(self.budget(batch)))
             except Exception as err:
                 self._end(running, _failure(err))
                 continue
