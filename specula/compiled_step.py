@@ -54,7 +54,11 @@ class CompiledStep:
 
     def __init__(self, runtime):
         self.runtime = runtime
-        self.graph = torch.compile(self._graph, fullgraph=True, dynamic=False)
+        # On a CPU, Inductor's C++ wrapper calls the step's kernels from C++ rather than from generated
+        # Python: SmolLM2 q4_1 one-token step 11.2 -> 9.4-10.3 ms (each new shape takes ~2 min to build cold,
+        # seconds from Inductor's cache after).
+        options = {"cpp_wrapper": True} if runtime.cache.keys[0].device.type == "cpu" else None
+        self.graph = torch.compile(self._graph, fullgraph=True, dynamic=False, options=options)
         # One graph per block size, cache size and feature request: more than dynamo's default limit of 8.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         # Each allocated cache size is a shape: grow in large steps, so that a chat stays on one or two.
