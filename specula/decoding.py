@@ -25,6 +25,7 @@ from specula.target import ForwardOutput, Target
 from specula.tree import DraftTree
 
 DRAFT_MARGIN = 64  # KV slots reserved beyond prompt + new tokens for the last cycle's draft tree
+RESERVE_AHEAD = 1024  # new tokens' KV slots reserved up front at most (the cache grows past them on demand)
 
 
 @dataclass
@@ -123,10 +124,13 @@ class Sequence:
         tick = time.perf_counter()
         if self.context is None:
             self._started = tick
-            # The KV cache for this generation in one allocation (it grows on demand past it, e.g. a wide tree).
+            # The KV cache for this generation in one allocation (it grows on demand past it, e.g. a wide tree),
+            # at most `RESERVE_AHEAD` new tokens' worth: a server request without max_tokens may ask for the
+            # whole context, 377 MB of SmolLM2 cache per sequence.
             self.target.reset()
-            self.target.reserve(self.prompt.numel() + self.max_new_tokens + DRAFT_MARGIN)
-            return Block(self.prompt, None, None, self.drafter.features)
+            ahead = min(self.max_new_tokens, RESERVE_AHEAD)
+            self.target.reserve(self.prompt.numel() + ahead + DRAFT_MARGIN)
+            return Block(self.prompt, None, None, self.drafter.features, last_logits_only=True)
         # Never draft past the token budget or the context: a tree of depth d yields at most d + 1 tokens
         # (d drafts and the target's bonus token), and the context already holds the uncommitted root,
         # so d + 1 new tokens fit only if d <= max_length - len(context) - 1. The verify forward itself

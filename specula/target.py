@@ -273,7 +273,7 @@ class Target:
         features a drafter asks for, at the cache size a generation of up to `CACHE_STEP` tokens allocates.
 
         Nothing to do unless the target is `compile`d. For a benchmark or a server, so that no timed request
-        pays for a compilation (45-60 s per shape cold on 2 cores, ~5 s from Inductor's on-disk cache).
+        pays for a compilation (~2 min per shape cold on 2 cores, seconds from Inductor's on-disk cache).
         Leaves the cache empty.
         """
         if not self.compiled:
@@ -400,11 +400,13 @@ class _LlamaFamilyRuntime:
         return self.run(tokens, positions, masks, causal, features)
 
     def run(self, tokens, positions, masks: dict, causal: bool, features: FeatureRequest,
-            slots: SlotBlock | None = None, segments: dict | None = None) -> ForwardOutput:
+            slots: SlotBlock | None = None, segments: dict | None = None,
+            logit_rows: torch.Tensor | None = None) -> ForwardOutput:
         """The decoder over a block: ``masks`` per attention window (`block_attention_mask`), ``slots`` as in
         `decoder_layer_step`, or ``segments`` (per attention window, a list of `Segment`) for a block that packs
-        several sequences; the stacked projections as `refresh_fused` left them. Plain tensor code from
-        embedding to logits, so that it compiles whole."""
+        several sequences; the stacked projections as `refresh_fused` left them; ``logit_rows`` [r]: the only
+        block rows whose logits are wanted (None: all). Plain tensor code from embedding to logits, so that it
+        compiles whole."""
         base = self.model.model
         x = base.embed_tokens(tokens[None])
         cos, sin = base.rotary_emb(x, positions[None])
@@ -416,7 +418,7 @@ class _LlamaFamilyRuntime:
             x = decoder_layer_step(layer, x, cos, sin, self.cache, i, masks.get(window), causal, self.apply_rope,
                                    fused=self.fused[i], slots=slots, segments=segments and segments[window])
         hidden = base.norm(x)[0]
-        logits = self.model.lm_head(hidden)
+        logits = self.model.lm_head(hidden if logit_rows is None else hidden[logit_rows])
         return ForwardOutput(logits, hidden if features.final_hidden else None, layer_inputs)
 
 

@@ -34,6 +34,27 @@ def test_checkpoint_round_trip_in_the_official_layout(stories_target, tmp_path):
         torch.testing.assert_close(loaded.state_dict()[name], tensor)
 
 
+def test_a_multi_layer_head_reads_a_block_after_its_cache_causally(stories_target):
+    """A block of pairs after a cached prefix (a drafter catching up on several tokens at once) predicts what
+    feeding the pairs one by one predicts: no pair sees the ones after it, in any layer."""
+    torch.manual_seed(2)
+    head = EagleHead.for_target(stories_target.config, num_layers=2).attach(stories_target)
+    features, embeds = torch.randn(7, 64), torch.randn(7, 64)
+    positions = torch.arange(7)
+    together = head.new_cache(16)
+    head.step(features[:3], embeds[:3], positions[:3], together, None)
+    together.commit()
+    block = head.step(features[3:], embeds[3:], positions[3:], together, None)
+    alone = head.new_cache(16)
+    head.step(features[:3], embeds[:3], positions[:3], alone, None)
+    alone.commit()
+    one_by_one = []
+    for i in range(3, 7):
+        one_by_one.append(head.step(features[i:i + 1], embeds[i:i + 1], positions[i:i + 1], alone, None))
+        alone.commit()
+    torch.testing.assert_close(block, torch.cat(one_by_one), rtol=1e-5, atol=1e-5)
+
+
 def test_official_pytorch_bin_without_bias_key_loads(stories_target, tmp_path):
     torch.manual_seed(1)
     head = EagleHead.for_target(stories_target.config)

@@ -109,6 +109,7 @@ class Throttled:
         self.waiting = threading.Event()
         self.delay = delay
         self.explode = False
+        self.fork_fails = False  # the next slot cannot be set up
         self.drafter = GatedDrafter(speculator.drafter, self)
 
     def __getattr__(self, name):
@@ -134,6 +135,8 @@ class GatedDrafter:
         return self.inner.propose(*args, **kwargs)
 
     def fork(self):
+        if self.owner.fork_fails:
+            raise MemoryError("no memory for another slot")
         return GatedDrafter(self.inner.fork(), self.owner)
 
 
@@ -421,6 +424,20 @@ def test_a_failing_generation_is_a_500_and_the_server_goes_on():
         assert finished(running, "error") == 2
 
 
+def test_a_request_whose_slot_cannot_be_set_up_fails_alone():
+    throttled = Throttled(load())
+    with running_server(create_app(throttled)) as running:
+        state = running.config.app.state.specula
+        client = client_for(running)
+        throttled.fork_fails = True
+        with pytest.raises(openai.InternalServerError):
+            client.completions.create(model=MODEL, prompt="Hi", max_tokens=5, temperature=0)
+        throttled.fork_fails = False
+        served = client.completions.create(model=MODEL, prompt="Hi", max_tokens=5, temperature=0)
+        assert served.usage.completion_tokens == 5
+        wait_until(lambda: state.engine.idle, "nothing is left in flight")
+
+
 def test_sigterm_lets_in_flight_requests_finish_and_refuses_new_ones():
     throttled = Throttled(load())
     with running_server(create_app(throttled)) as running:
@@ -512,5 +529,6 @@ def test_serve_command_refuses_bad_options_before_loading(monkeypatch, capsys):
     assert main(["serve", "--max-queue", "0"]) == 2
     assert main(["serve", "--draft-budget", "2:4"]) == 2  # says nothing of batch size 1
     assert main(["serve", "--max-batch", "0"]) == 2
+    assert main(["serve", "--compile"]) == 2  # a compiled step decodes one sequence at a time
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 4 and all(line.startswith("specula: error:") for line in lines)
+    assert len(lines) == 5 and all(line.startswith("specula: error:") for line in lines)

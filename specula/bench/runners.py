@@ -209,6 +209,9 @@ class RecordingDrafter:
         self.cycles.append((self._tree, accepted))
         self.inner.observe(accepted, target_out)
 
+    def fork(self) -> RecordingDrafter:
+        return RecordingDrafter(self.inner.fork())
+
 
 def is_lossy(options: dict) -> bool:
     """Whether a method's options select the lossy typical acceptance."""

@@ -309,7 +309,7 @@ def _run_bench(settings: BenchSettings, resources: contextlib.ExitStack) -> dict
             if (q.uid, spec.label, float(t)) not in done]
 
     if work:
-        if target.compiled:  # no timed question may pay for compiling a block size (45-60 s each, cold)
+        if target.compiled:  # no timed question may pay for compiling a block size (~2 min each, cold)
             for spec in settings.methods:
                 drafter = getattr(runners[spec.label], "drafter", None)
                 if drafter is not None:

@@ -44,7 +44,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-batch", type=positive_int, default=DEFAULT_MAX_BATCH, metavar="N",
                    help="requests decoded together; more wait in the queue (default: %(default)s)")
     p.add_argument("--draft-budget", type=budget_table, metavar="B:D,...",
-                   help="draft tokens per sequence by batch size, e.g. 1:8,4:2,8:0 (default: chosen from the "
+                   help="deepest draft per sequence by batch size, e.g. 1:8,4:2,8:0 (default: chosen from the "
                         "measured verify cost and the acceptance seen on served requests)")
     p.add_argument("--max-tokens-limit", type=positive_int, metavar="N",
                    help="largest max_tokens a request may ask for (default: the model's context)")
@@ -68,12 +68,14 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.api_key is None and not is_loopback(args.host):
         print(f"{PROG}: warning: listening on {args.host} without --api-key: anyone who can reach it can use it",
               file=sys.stderr)
+    if args.compile and args.max_batch != 1:
+        raise SpeculaError("--compile decodes one sequence at a time (batched steps run eager): add --max-batch 1")
     speculator = build_speculator(args.target, method=args.method, draft=args.draft, dtype=args.dtype,
                                   device=args.device, profile=not args.no_profile, weights=args.weights,
                                   compile=args.compile, **method_options(args))
     if speculator.target.compiled:  # before listening: no request should wait for a compilation
-        print(f"{PROG}: compiling the target's steps (blocks of up to {WARM_UP_BLOCK} tokens; about a "
-              "minute per size the first time on a small CPU)", file=sys.stderr, flush=True)
+        print(f"{PROG}: compiling the target's steps (blocks of up to {WARM_UP_BLOCK} tokens; about two "
+              "minutes per size the first time on a small CPU)", file=sys.stderr, flush=True)
         speculator.target.warm_up(WARM_UP_BLOCK, speculator.drafter.features)
     settings = ServeSettings(model_name=args.model_name, api_key=args.api_key, max_queue=args.max_queue,
                              max_tokens_limit=args.max_tokens_limit, max_batch=args.max_batch,
@@ -91,10 +93,11 @@ def budget_table(text: str) -> dict[int, int]:
 
 
 def profile_curve(target) -> dict[int, float] | None:
-    """The verify-cost curve `specula calibrate` measured for this target, if it was measured with the weight
-    format now loaded (else the server measures its own when it starts)."""
+    """The verify-cost curve `specula calibrate` measured for this target, if it was measured eager (as packed
+    batches run) with the weight format now loaded (else the server measures its own when it starts)."""
     measured = load_profile(target.name)
-    if not measured or measured.get("weights") != target.weights or not measured.get("verify_cost_s"):
+    if (not measured or measured.get("weights") != target.weights or measured.get("compile")
+            or not measured.get("verify_cost_s")):
         return None
     return {int(n): float(t) for n, t in measured["verify_cost_s"].items()}
 

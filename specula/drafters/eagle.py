@@ -182,10 +182,9 @@ class EagleDrafter:
         self.pending = features if self.pending is None else torch.cat([self.pending, features])
 
     def fork(self) -> EagleDrafter:
-        other = copy.copy(self)  # the head is shared; the state is its KV cache and the pending features
+        other = copy.copy(self)  # the head and the static plans are shared; the state is its KV cache and pending
         other.cache = self.head.new_cache(self.cache.capacity)
         other.pending = None
-        other._plans = self._plans  # static growth plans depend only on the options
         return other
 
     def propose(self, context: torch.Tensor, max_depth: int, params: SamplingParams,

@@ -41,7 +41,7 @@ from torch import nn
 from specula.errors import SpeculaError
 from specula.heads.checkpoint import build_module, load_checked, load_state_dict, read_config, save_module
 from specula.heads.eagle_head import CONFIG_KEYS, llama_config
-from specula.static_cache import StaticKVCache, decoder_layer_step, rotary_function
+from specula.static_cache import StaticKVCache, block_attention_mask, decoder_layer_step, rotary_function
 from specula.target import FeatureRequest, ForwardOutput, Target
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -243,6 +243,8 @@ class Eagle3Head(nn.Module):
         hidden = (features if own_features else self.fuse(features))[None]
         x = self._attention_input(hidden, token_embeds[None])
         cos, sin = self.rotary_emb(x, positions[None])
+        if mask is None:  # a causal chain: after a cached prefix, SDPA's own causal flag would misalign it
+            mask = block_attention_mask(cache.length, positions, None)
         causal = mask is None and cache.length == 0
         return decoder_layer_step(self.midlayer, hidden, cos, sin, cache, 0, mask, causal, self.apply_rope,
                                   attention_input=x)[0]

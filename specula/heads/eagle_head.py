@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from specula.heads.checkpoint import build_module, load_checked, load_state_dict, read_config, save_module
-from specula.static_cache import StaticKVCache, decoder_layer_step, rotary_function
+from specula.static_cache import StaticKVCache, block_attention_mask, decoder_layer_step, rotary_function
 from specula.target import FeatureRequest, ForwardOutput, Target
 
 CONFIG_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
@@ -135,6 +135,8 @@ class EagleHead(nn.Module):
         """
         x = self.fc(torch.cat([token_embeds, features], dim=-1))[None]
         cos, sin = self.rotary_emb(x, positions[None])
+        if mask is None:  # a causal chain: after a cached prefix, SDPA's own causal flag would misalign it
+            mask = block_attention_mask(cache.length, positions, None)
         causal = mask is None and cache.length == 0
         for i, layer in enumerate(self.layers):
             x = decoder_layer_step(layer, x, cos, sin, cache, i, mask, causal, self.apply_rope)

@@ -63,7 +63,7 @@ class ServeSettings:
     max_queue: int = 64  # requests waiting for the worker before new ones get 429
     max_tokens_limit: int | None = None  # largest max_tokens a request may ask for (None: the context)
     max_batch: int = DEFAULT_MAX_BATCH  # sequences decoded together (one packed target forward per cycle)
-    draft_budget: dict[int, int] | None = None  # fixed {batch size: drafts per sequence}; None: measured
+    draft_budget: dict[int, int] | None = None  # fixed {batch size: deepest draft}; None: measured
     verify_curve: dict[int, float] | None = None  # {tokens: seconds per forward} (calibrate's); None: measured
     retry_after_s: int = 1
     max_body_bytes: int = 8 * 2**20

@@ -11,9 +11,9 @@ maximises expected tokens per second for the batch:
 with v the measured verify-cost curve (`specula calibrate`'s, or measured when the server starts), c the
 measured drafting seconds per depth level, n(d) the mean nodes a draft holds down to depth d, and
 τ(d) = 1 + Σ_{i≤d} P(a cycle accepts ≥ i drafts), all measured on the traffic served (acceptance per
-depth i as accepted ≥ i over drafted ≥ i, so a cap leaves the depths above it unbiased). Before any
+depth i as accepted ≥ i over the cycles whose cap allowed depth i, whatever the drafter then drafted). Before any
 traffic each depth starts at `PRIOR_ACCEPTANCE` with the weight of `PRIOR_CYCLES` cycles, and one
-sequence-cycle in `EXPLORE_EVERY` drafts uncapped so that depths a cap hides keep being measured (one
+sequence-cycle in about 60 drafts uncapped so that depths a cap hides keep being measured (one
 sequence at a time: sixteen uncapped trees at once would double that cycle's cost). A method whose
 drafts do not pay on this machine thus falls back towards plain decoding, at any batch size. A fixed
 table (``--draft-budget 1:8,4:2,8:0``) replaces all of this.
@@ -29,7 +29,9 @@ from specula.errors import SpeculaError
 DEFAULT_MAX_BATCH = 16  # sequences per packed forward: SmolLM2 q4_1 151 tok/s at 16 vs 134 at 8, 164 at 32 (2x latency)
 PRIOR_ACCEPTANCE = 0.5  # P(depth i accepted | depth i-1 accepted) before any traffic
 PRIOR_CYCLES = 4  # how many cycles' weight that prior carries
-EXPLORE_EVERY = 64  # one sequence-cycle in this many drafts as deep as the method likes
+# One sequence-cycle in this many drafts as deep as the method likes; prime, so that with 2, 4, 8 or 16
+# sequences the exploring one is not always the same position of the batch.
+EXPLORE_EVERY = 61
 REPLAN_EVERY = 32  # cycles observed between two plans
 MAX_DEPTH = 32  # depths tracked
 
@@ -72,15 +74,20 @@ class DraftBudget:
         self._plans: dict[int, int | None] = {}
         self._observed = self._calls = 0
 
-    def observe(self, nodes_per_depth: Sequence[int], accepted: int, draft_seconds: float) -> None:
-        """One verified cycle of one sequence: its draft's node count at depth 1, 2, …, the drafts accepted and
-        the seconds spent drafting."""
+    def observe(self, nodes_per_depth: Sequence[int], accepted: int, draft_seconds: float,
+                cap: int | None = None) -> None:
+        """One verified cycle of one sequence: its draft's node count at depth 1, 2, …, the drafts accepted, the
+        seconds spent drafting and the depth the budget allowed (None: uncapped).
+
+        Every depth the cap allowed counts, drafted or not: a drafter that drafts deep only when it is sure
+        (prompt lookup finding a match, Ada predicting a long run) must not look surer than it is."""
         depth = min(len(nodes_per_depth), MAX_DEPTH)
-        for i in range(depth):
+        self.deepest = max(self.deepest, depth)
+        allowed = self.deepest if cap is None else min(cap, self.deepest)
+        for i in range(allowed):
             self.drafted[i] += 1
             self.accepted[i] += accepted > i
-            self.nodes[i] += nodes_per_depth[i]
-        self.deepest = max(self.deepest, depth)
+            self.nodes[i] += nodes_per_depth[i] if i < depth else 0
         if depth:
             self.draft_seconds += draft_seconds
             self.draft_levels += depth
@@ -118,6 +125,20 @@ class DraftBudget:
         return None if best == self.deepest else best
 
     def plan(self, max_batch: int | None = None) -> dict[int, int | None]:
-        """{batch size: deepest draft} for 1..max_batch as things stand (for logs and tests)."""
+        """{batch size: deepest draft} for 1..max_batch as things stand (for inspection and tests)."""
         return {b: self.best_depth(b) if self.table is None else self(b)
                 for b in range(1, (max_batch or self.max_batch) + 1)}
+
+
+def measured_curve(target, max_batch: int) -> dict[int, float]:
+    """Seconds of one target forward over n tokens, n = 1, 2, 4, … up to 16 per sequence at ``max_batch``,
+    measured now on the loaded target (a few seconds on SmolLM2), for the draft budget."""
+    from specula.bench.calibrate import measure_verify_curve  # (the bench's heavier imports, only when needed)
+
+    sizes, n = [], 1
+    while n <= min(16 * max_batch, 256):
+        sizes.append(n)
+        n *= 2
+    prefix = [i % max(2, target.vocab_size) for i in range(64)]
+    # On a fork: packed batches run eager, and a compiled target would compile every size measured here.
+    return measure_verify_curve(target.fork(), prefix, sizes, repeats=2)

@@ -34,7 +34,7 @@ from specula.detokenize import IncrementalDecoder
 from specula.errors import SpeculaError
 from specula.packed import forward_packed
 from specula.sampling import SamplingParams
-from specula.serve.budget import DraftBudget
+from specula.serve.budget import DEFAULT_MAX_BATCH, DraftBudget, measured_curve
 from specula.serve.metrics import ServerMetrics
 from specula.serve.stops import StopMatcher
 
@@ -178,19 +178,23 @@ class Running:
     stream: RequestStream
     slot: Slot
     sequence: Sequence
-    stats: GenerationStats
     text: IncrementalDecoder
     stops: StopMatcher
     drafted: list[int] = field(default_factory=list)  # nodes per depth of the draft this cycle verifies
+    cap: int | None = None  # the depth the budget allowed this cycle
     draft_seconds: float = 0.0  # the sequence's drafting time before this cycle
+
+    @property
+    def stats(self) -> GenerationStats:
+        return self.sequence.stats
 
 
 class BatchedEngine:
     """Up to ``max_batch`` sequences per target forward, joining and leaving between cycles; a FIFO queue of at
     most ``max_queue`` waiting requests. ``budget``: drafts per sequence by batch size (default: measured)."""
 
-    def __init__(self, speculator, max_queue: int = 64, metrics: ServerMetrics | None = None, max_batch: int = 8,
-                 budget: DraftBudget | None = None):
+    def __init__(self, speculator, max_queue: int = 64, metrics: ServerMetrics | None = None,
+                 max_batch: int = DEFAULT_MAX_BATCH, budget: DraftBudget | None = None):
         if max_queue < 1:
             raise SpeculaError(f"max_queue must be >= 1, got {max_queue}")
         if max_batch < 1:
@@ -204,8 +208,16 @@ class BatchedEngine:
         self._lock = threading.Lock()  # guards _unfinished and _stopping against the worker
         self._unfinished = 0  # submitted and not yet ended
         self._running: list[Running] = []
-        self._free: list[Slot] = [Slot(speculator.target, speculator.drafter)]  # slot 0: the speculator's own
-        self._slots = 1
+        # A compiled target runs one sequence at a time, in the speculator's own slot (forks and packed
+        # batches run eager, and the two round differently). Otherwise every slot is a fork, so the
+        # speculator itself stays free for its own generate() calls.
+        if getattr(speculator.target, "compiled", False):
+            if max_batch != 1:
+                raise SpeculaError("a compiled target decodes one sequence at a time: use max_batch 1 with compile "
+                                   "(batched steps run eager)")
+            self._free: list[Slot] = [Slot(speculator.target, speculator.drafter)]
+        else:
+            self._free = []
         self._stopping = False
         self._exit = False
         self._thread: threading.Thread | None = None
@@ -288,28 +300,32 @@ class BatchedEngine:
 
     def _start(self, stream: RequestStream) -> None:
         request = stream.request
+        if self._stopping:  # taken off the queue just as stop() emptied it
+            self._post_failed(stream, Failed(503, "the server is shutting down"))
+            return
         if stream.cancelled:  # its client left while it waited
             self._post_finished(stream, Finished("cancelled", len(request.prompt_ids), 0, self.method))
             return
-        slot = self._take_slot()
-        stats = GenerationStats()
+        slot = None
         try:
+            slot = self._take_slot()
             params = SamplingParams(request.temperature, 0, request.top_p)
             prompt = torch.tensor(request.prompt_ids, dtype=torch.long)
             sequence = Sequence(slot.target, slot.drafter, prompt, request.max_tokens, params, request.seed,
-                                acceptor=self.speculator.acceptor, stats=stats)
-        except SpeculaError as err:
-            self._free.append(slot)
-            self._post_failed(stream, Failed(400, str(err)))
+                                acceptor=self.speculator.acceptor)
+            running = Running(stream, slot, sequence, IncrementalDecoder(self.speculator.tokenizer),
+                              StopMatcher(request.stop))
+        except Exception as err:  # this request fails alone; its slot goes back
+            if slot is not None:
+                self._free.append(slot)
+            self._post_failed(stream, _failure(err))
             return
-        self._running.append(Running(stream, slot, sequence, stats, IncrementalDecoder(self.speculator.tokenizer),
-                                     StopMatcher(request.stop)))
+        self._running.append(running)
         self._update_gauges()
 
     def _take_slot(self) -> Slot:
         if self._free:
             return self._free.pop()
-        self._slots += 1
         return Slot(self.speculator.target.fork(), self.speculator.drafter.fork())
 
     def _cycle(self) -> None:
@@ -318,8 +334,9 @@ class BatchedEngine:
         ready, blocks = [], []
         for running in list(self._running):
             running.draft_seconds = running.stats.draft_time
+            running.cap = self.budget(batch)
             try:
-                blocks.append(running.sequence.block(self.budget(batch)))
+                blocks.append(running.sequence.block(running.cap))
             except Exception as err:
                 self._end(running, _failure(err))
                 continue
@@ -329,10 +346,16 @@ class BatchedEngine:
             return
         try:
             outputs = forward_packed([r.slot.target for r in ready], blocks)
-        except Exception as err:
-            for running in ready:
-                self._end(running, _failure(err))
-            return
+        except Exception:
+            # Find the block that fails by running each alone (a block writes after its sequence's committed
+            # prefix, so running it again is safe); only that request fails.
+            outputs = []
+            for running, block in zip(list(ready), blocks, strict=True):
+                try:
+                    outputs.append(block.run(running.slot.target))
+                except Exception as err:
+                    ready.remove(running)
+                    self._end(running, _failure(err))
         for running, output in zip(ready, outputs, strict=True):
             try:
                 new = running.sequence.advance(output)
@@ -346,7 +369,8 @@ class BatchedEngine:
         if stats.cycles == 1:
             self.metrics.time_to_first_token.observe(time.perf_counter() - stream.submitted)
         else:
-            self.budget.observe(running.drafted, stats.accepted_lengths[-1], stats.draft_time - running.draft_seconds)
+            self.budget.observe(running.drafted, stats.accepted_lengths[-1], stats.draft_time - running.draft_seconds,
+                                running.cap)
         text, stopped = running.stops.push(running.text.push(new))
         if running.sequence.done and not stopped:
             rest, stopped = running.stops.push(running.text.finish())
@@ -408,17 +432,3 @@ def _failure(err: Exception) -> Failed:
         return Failed(400, str(err))
     log.error("generation failed", exc_info=err)
     return Failed(500, "the server failed while generating; the request can be retried")
-
-
-def measured_curve(target, max_batch: int) -> dict[int, float]:
-    """Seconds of one target forward over n tokens, n = 1, 2, 4, … up to 16 per sequence at ``max_batch``,
-    measured now on the loaded target (a few seconds on SmolLM2), for the draft budget."""
-    from specula.bench.calibrate import measure_verify_curve
-
-    sizes, n = [], 1
-    while n <= min(16 * max_batch, 256):
-        sizes.append(n)
-        n *= 2
-    prefix = [int(t) for t in torch.arange(64) % max(2, target.vocab_size)]
-    # On a fork: packed batches run eager, and a compiled target would compile every size measured here.
-    return measure_verify_curve(target.fork(), prefix, sizes, repeats=2)
