@@ -89,12 +89,12 @@ class ForwardMemo:
 
     def forward(self, tokens: torch.Tensor, block_mask: torch.Tensor | None = None,
                 depths: list[int] | torch.Tensor | None = None,
-                features: FeatureRequest = NO_FEATURES) -> ForwardOutput:
+                features: FeatureRequest = NO_FEATURES, last_logits_only: bool = False) -> ForwardOutput:
         """`Target.forward`, answered from memory when this exact history was seen before."""
         if self.node is None:
             self.forwards += 1
-            return self.target.forward(tokens, block_mask, depths, features)
-        key = ("forward", tuple(tokens.tolist()),
+            return self.target.forward(tokens, block_mask, depths, features, last_logits_only)
+        key = ("forward", tuple(tokens.tolist()), last_logits_only,
                None if block_mask is None else (tuple(block_mask.shape), block_mask.cpu().numpy().tobytes()),
                None if depths is None else tuple(int(d) for d in depths), features)
         child = self.node.children.get(key)
@@ -109,7 +109,7 @@ class ForwardMemo:
             return child.output
         self.forwards += 1
         start = self.cache.length
-        out = self.target.forward(tokens, block_mask, depths, features)
+        out = self.target.forward(tokens, block_mask, depths, features, last_logits_only)
         end = start + self.cache.block
         keys = [k[:, :, start:end].clone() for k in self.cache.keys]
         values = [v[:, :, start:end].clone() for v in self.cache.values]

@@ -33,11 +33,11 @@ class Block:
     mask: torch.Tensor | None
     depths: list[int] | torch.Tensor | None
     features: FeatureRequest
-    last_logits_only: bool = False  # a prompt: only its last row's logits are used (packed, the rest are skipped)
+    last_logits_only: bool = False  # a prompt: only its last row's logits are used (the rest are not computed)
 
     def run(self, target: Target) -> ForwardOutput:
         """This block alone through ``target``."""
-        return target.forward(self.tokens, self.mask, self.depths, self.features)
+        return target.forward(self.tokens, self.mask, self.depths, self.features, self.last_logits_only)
 
 
 @torch.no_grad()

@@ -318,11 +318,13 @@ class Target:
     @torch.no_grad()  # not inference_mode: trainers feed these features to autograd
     def forward(self, tokens: torch.Tensor, block_mask: torch.Tensor | None = None,
                 depths: list[int] | torch.Tensor | None = None,
-                features: FeatureRequest = FeatureRequest()) -> ForwardOutput:
+                features: FeatureRequest = FeatureRequest(), last_logits_only: bool = False) -> ForwardOutput:
         """Run ``tokens`` [n] after the committed prefix.
 
         block_mask: bool [n, n], which block tokens each block token sees; None = causal chain.
         depths:     [n] offsets of the positions from the prefix length; None = 0..n-1.
+        last_logits_only: logits [1, V] of the last token only (a prompt: the LM head is ~20 % of SmolLM2's
+                    weights, and a 1,000-token prompt's logits are 200 MB).
         """
         n = int(tokens.shape[0])
         if self.length + n > self.max_length:
@@ -331,7 +333,7 @@ class Target:
             positions = torch.arange(self.length, self.length + n, device=self.device)
         else:
             positions = self.length + torch.as_tensor(depths, device=self.device)
-        return self.runtime.forward(tokens.to(self.device), positions, block_mask, features)
+        return self.runtime.forward(tokens.to(self.device), positions, block_mask, features, last_logits_only)
 
     @torch.no_grad()  # not inference_mode: trainers feed these features to autograd
     def commit(self, keep: list[int] | None = None) -> None:
@@ -390,14 +392,16 @@ class _LlamaFamilyRuntime:
     def commit(self, keep: list[int] | None) -> None:
         self.cache.commit(keep)
 
-    def forward(self, tokens, positions, block_mask, features: FeatureRequest) -> ForwardOutput:
-        if self.compiled is not None and self.compiled.accepts(tokens.shape[0]):
+    def forward(self, tokens, positions, block_mask, features: FeatureRequest,
+                last_logits_only: bool = False) -> ForwardOutput:
+        if self.compiled is not None and self.compiled.accepts(tokens.shape[0]) and not last_logits_only:
             return self.compiled(tokens, positions, block_mask, features)
         prefix = self.cache.length
         masks = {w: block_attention_mask(prefix, positions, block_mask, w) for w in set(self.windows)}
         causal = block_mask is None and prefix == 0
         self.refresh_fused()
-        return self.run(tokens, positions, masks, causal, features)
+        last = tokens.new_full((1,), tokens.shape[0] - 1) if last_logits_only else None
+        return self.run(tokens, positions, masks, causal, features, logit_rows=last)
 
     def run(self, tokens, positions, masks: dict, causal: bool, features: FeatureRequest,
             slots: SlotBlock | None = None, segments: dict | None = None,
@@ -469,7 +473,8 @@ class _GenericRuntime:
                 layer.keys = layer.keys[:, :, :length]
                 layer.values = layer.values[:, :, :length]
 
-    def forward(self, tokens, positions, block_mask, features: FeatureRequest) -> ForwardOutput:
+    def forward(self, tokens, positions, block_mask, features: FeatureRequest,
+                last_logits_only: bool = False) -> ForwardOutput:
         n, start = tokens.shape[0], self.length
         mask = torch.ones(n, start + n, dtype=torch.bool, device=tokens.device)
         if block_mask is None:
@@ -486,7 +491,7 @@ class _GenericRuntime:
         if features.final_hidden:
             # hidden_states[-1] is the last layer's output before the final norm in most models.
             hidden = _final_norm(self.model)(out.hidden_states[-1])[0]
-        return ForwardOutput(out.logits[0], hidden, layer_inputs)
+        return ForwardOutput(out.logits[0, -1:] if last_logits_only else out.logits[0], hidden, layer_inputs)
 
 
 def _final_norm(model):
