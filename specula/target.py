@@ -257,7 +257,8 @@ class Target:
 
     def compile(self) -> None:
         """Run blocks of up to 64 tokens (decode and verify steps) compiled by `torch.compile`, with static
-        shapes (`specula.compiled_step`); longer blocks (prefills) stay eager. Each new shape compiles once."""
+        shapes (`specula.compiled_step`); longer blocks (prefills) stay eager. Each new shape compiles once.
+        The weights must not change afterwards: the compiled steps do not check the model's modules again."""
         if not isinstance(self.runtime, _LlamaFamilyRuntime):
             raise SpeculaError(f"a compiled step needs a Llama-family target ({', '.join(sorted(LLAMA_FAMILY))}); "
                                f"{self.name} is {self.config.model_type}")
