@@ -7,8 +7,8 @@ residual adds fuse into a few kernels. Measured on this project's reference CPU 
 medians, cache of 1,024 slots, 300-token prefix): int4 one token 29.0 -> 24.2 ms, 4 tokens 38.4 ->
 32.9 ms; q4_1 one token 19.8 -> 12.2 ms, 4 tokens 28.6 -> 21.0 ms (its kernel is an op the graph
 calls; of the 12.2 ms, 5 ms are that kernel, 3.5 ms attention, 1.4 ms dynamo's guard checks). In
-`specula bench` (MT-bench, 8 questions, both turns) compiled q4_1 vanilla decodes 69.6 tokens/s,
-llama.cpp on the same GGUF 79.5. The cost is compilation: about 2 min per new shape on 2 cores (the
+`specula bench` (MT-bench, 8 questions, both turns) compiled q4_1 vanilla decodes 88.5 tokens/s,
+llama.cpp on the same GGUF 84.1. The cost is compilation: about 2 min per new shape on 2 cores (the
 C++ wrapper included), seconds once Inductor's on-disk cache holds it; a tree method meets several
 block sizes. So it is opt-in (`--compile`): it pays off only in long-running
 processes (bench, serve) whose shapes have all been compiled.
