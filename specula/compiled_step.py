@@ -61,7 +61,7 @@ class CompiledStep:
         # No guards on the model's modules (their weights never change once a target is compiled; the KV
         # cache, block shapes and feature requests, which do, stay guarded): every step evaluated ~1 ms of
         # them (median of 3 interleaved runs 10.2 -> 9.3 ms).
-        unguarded = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)  # torch >= 2.8
+        unguarded = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)  # not in older torch
         if unguarded is not None:
             options["guard_filter_fn"] = unguarded
         self.graph = torch.compile(self._graph, fullgraph=True, dynamic=False, options=options)
