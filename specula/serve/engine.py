@@ -191,7 +191,8 @@ class Running:
 
 class BatchedEngine:
     """Up to ``max_batch`` sequences per target forward, joining and leaving between cycles; a FIFO queue of at
-    most ``max_queue`` waiting requests. ``budget``: drafts per sequence by batch size (default: measured)."""
+    most ``max_queue`` waiting requests. ``budget``: how deep each sequence drafts by batch size (default:
+    measured when it starts)."""
 
     def __init__(self, speculator, max_queue: int = 64, metrics: ServerMetrics | None = None,
                  max_batch: int = DEFAULT_MAX_BATCH, budget: DraftBudget | None = None):
