@@ -65,7 +65,8 @@ class DraftBudget:
         self.curve = dict(curve or {})
         self.table = dict(sorted(table.items())) if table else None
         self.max_batch = max_batch
-        # Per depth i (index i-1): cycles that drafted that deep, those that accepted that deep, nodes there.
+        # Per depth i (index i-1): cycles whose cap allowed that depth, those that accepted that deep, and the
+        # draft nodes there.
         self.drafted = [float(PRIOR_CYCLES)] * MAX_DEPTH
         self.accepted = [PRIOR_CYCLES * PRIOR_ACCEPTANCE ** (i + 1) for i in range(MAX_DEPTH)]
         self.nodes = [float(PRIOR_CYCLES)] * MAX_DEPTH

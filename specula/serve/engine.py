@@ -389,13 +389,13 @@ class BatchedEngine:
 
     def _finished(self, running: Running, reason: str) -> Finished:
         stats = running.stats
-        return Finished(reason, stats.prompt_tokens or len(running.stream.request.prompt_ids), stats.new_tokens,
-                        self.method, stats.tau, list(stats.accepted_lengths), stats.cycles)
+        return Finished(reason, stats.prompt_tokens, stats.new_tokens, self.method, stats.tau,
+                        list(stats.accepted_lengths), stats.cycles)
 
     def _end(self, running: Running, event: Finished | Failed) -> None:
-        """The request leaves its slot (free at once for the next one) with its last event."""
+        """The request leaves its slot (free at once for the next one; the next `Sequence` resets its cache and
+        drafter state) with its last event."""
         self._running.remove(running)
-        running.slot.target.reset()
         self._free.append(running.slot)
         if isinstance(event, Finished):
             self._post_finished(running.stream, event)
