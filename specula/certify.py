@@ -63,6 +63,7 @@ from specula.forward_memo import ForwardMemo
 from specula.jsonl import json_lines
 from specula.methods import DEFAULT_TARGET, build_speculator
 from specula.sampling import SamplingParams
+from specula.target import Target
 from specula.tree import DraftTree
 
 ALPHA = 1e-3
@@ -239,7 +240,11 @@ def check(target: str | Path | None = None, method: str = "vanilla", draft: str 
         sample_ids = [encode_prompt(speculator, t, tokens) for t in texts[:prefixes]]
         sampling = check_sampling(speculator, sample_ids, params, samples, tokens, seed, alpha)
     target_name = speculator.target.name
-    return CheckReport(target_name, speculator.method, None if draft is None else Path(draft).name,
+    draft_name = None if draft is None else Path(draft).name
+    draft_model = getattr(speculator.drafter, "draft", None)  # sps: a model whose format is part of what was checked
+    if draft_name is not None and isinstance(draft_model, Target):
+        draft_name += f", {_precision(draft_model)}"
+    return CheckReport(target_name, speculator.method, draft_name,
                        _precision(speculator.target), str(speculator.target.device), greedy,
                        sampling, time.perf_counter() - started)
 

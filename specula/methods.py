@@ -34,10 +34,10 @@ from specula.drafters.vanilla import VanillaDrafter
 from specula.errors import SpeculaError
 from specula.heads.eagle3_head import Eagle3Head
 from specula.heads.eagle_head import EagleHead
-from specula.model_source import DEFAULT_MODEL, model_name
+from specula.model_source import DEFAULT_MODEL, model_name, resolve_model
 from specula.profile import load_profile, profile_defaults
 from specula.target import DTYPES, Target
-from specula.weights import resolve_weights
+from specula.weights import WEIGHT_FORMATS, resolve_weights
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 # The old code fixture lives beside the repository (../shared/models); its heads are still in models/.
@@ -54,8 +54,9 @@ DEFAULT_TARGET = Path(DEFAULT_MODEL)
 class OptionSpec:
     """One drafter option: its keyword name, value type, range and command-line spelling.
 
-    kind: "int", "float", "bool", "path" or "tree" (a non-empty list of child-rank paths, each
-    path's parent listed too, no path twice; given as a list, JSON text or a JSON file).
+    kind: "int", "float", "bool", "path", "weights" (a `specula.weights` format name) or "tree" (a
+    non-empty list of child-rank paths, each path's parent listed too, no path twice; given as a list,
+    JSON text or a JSON file).
     """
 
     name: str
@@ -78,6 +79,10 @@ class OptionSpec:
             if not isinstance(value, (str, Path)) or not str(value):
                 raise SpeculaError(f"{label} must be a directory path, got {value!r}")
             return Path(value)
+        if self.kind == "weights":
+            if value not in WEIGHT_FORMATS:
+                raise SpeculaError(f"{label} must be one of {', '.join(WEIGHT_FORMATS)}, got {value!r}")
+            return value
         if self.kind == "tree":
             return parse_tree(value, f"{where}tree choices ({self.flag})")
         number = _number(value, self.kind, label)
@@ -140,6 +145,10 @@ TOTAL_TOKENS = OptionSpec("total_tokens", "int", "--tree-total-tokens", "dynamic
 DEPTH = OptionSpec("depth", "int", "--tree-depth", "dynamic tree: expansion steps", 1, "N")
 TOP_K = OptionSpec("top_k", "int", "--tree-top-k", "dynamic tree: nodes expanded per step", 1, "K")
 LDLP = OptionSpec("ldlp", "path", "--ldlp", "ada: the draft length predictor (default: DRAFT/ldlp)", None, "DIR")
+# A draft model in a cheaper format than the target's (e.g. the target itself in q4_1 drafting for its
+# float32 self) is the one sps draft this machine has for a target without a smaller sibling.
+DRAFT_WEIGHTS = OptionSpec("draft_weights", "weights", "--draft-weights",
+                           "sps: the draft model's weight format (default: float32)", None, "FORMAT")
 TREE = OptionSpec("tree", "bool", "--ada-tree", "ada: a dynamic tree of the predicted depth instead of a chain")
 
 # Acceptance options apply to every method: they choose the rule, not the drafter.
@@ -160,6 +169,8 @@ class Method:
     """One decoding method: its options, its draft, and how its drafter is built.
 
     draft: what ``--draft`` must be ("" when the method needs none).
+    draft_is_model: ``--draft`` is a model, given any way ``--target`` can be (directory, GGUF file, the default
+    model's name), not a head directory.
     build(target, draft_dir, options, dtype) -> Drafter, with ``options`` already checked.
     check(options): cross-option rules (one option needing another, ranges depending on each other).
     """
@@ -169,6 +180,7 @@ class Method:
     options: tuple[OptionSpec, ...]
     build: Callable[[Target, Path | None, dict, str], Drafter]
     draft: str = ""
+    draft_is_model: bool = False
     check: Callable[[dict], None] = lambda options: None
     why_not: str = ""  # said when an option of another method is given to this one
 
@@ -193,7 +205,10 @@ def _check_pld(options: dict) -> None:
 
 
 def _sps(target: Target, draft: Path | None, options: dict, dtype: str) -> Drafter:
-    draft_model = Target.load(draft, dtype=dtype, device=target.device, max_length=target.max_length, role="draft")
+    options = dict(options)
+    weights = options.pop(DRAFT_WEIGHTS.name, "float32")
+    draft_model = Target.load(draft, dtype=dtype, device=target.device, max_length=target.max_length, role="draft",
+                              weights=weights)
     check_same_vocabulary(target, draft_model)
     return DraftModelDrafter(draft_model, **options)
 
@@ -240,8 +255,9 @@ def _check_ada(options: dict) -> None:
 HEAD = "a trained {} head directory for this target"
 METHODS: dict[str, Method] = {m.name: m for m in (
     Method("vanilla", "plain autoregressive decoding (the baseline)", (), _vanilla),
-    Method("sps", "standard speculative sampling with a small draft model (Leviathan et al.)", (NUM_TOKENS,), _sps,
-           draft="a small draft model directory with the target's tokenizer"),
+    Method("sps", "standard speculative sampling with a small draft model (Leviathan et al.)",
+           (NUM_TOKENS, DRAFT_WEIGHTS), _sps, draft="a small model with the target's tokenizer (directory or GGUF)",
+           draft_is_model=True),
     Method("pld", "prompt lookup: continue the latest earlier match of the last n-gram",
            (NUM_TOKENS, MAX_NGRAM, MIN_NGRAM), _pld, check=_check_pld),
     Method("eagle", "EAGLE head drafting a static tree", (CHOICES,), _eagle(dynamic=False),
@@ -371,6 +387,10 @@ def resolve_draft(method: str, target: str | Path, draft: str | Path | None) -> 
                                f"HEAD_DIR, {spec.draft}")
         if draft is None:
             raise SpeculaError(f"method {method} needs --draft DIR, {spec.draft}")
+    if spec.draft_is_model:
+        if not resolve_model(draft, "draft").is_dir():
+            raise SpeculaError(f"draft model not found: {draft} (method {method})")
+        return Path(draft)  # loaded from what the user named, so a GGUF's blocks can carry into --draft-weights
     path = Path(draft)
     if not path.is_dir():
         raise SpeculaError(f"draft directory not found: {draft} (method {method})")
@@ -394,7 +414,8 @@ def build_speculator(target: str | Path | Target = DEFAULT_TARGET, method: str =
     """Check everything, then load the target (unless given loaded) and assemble the method.
 
     ``weights``: the format of the target's linear weights (`specula.weights`: auto, float32, bfloat16,
-    int8, int4); draft models and heads keep theirs. A loaded target keeps the format it was loaded with.
+    int8, int4, q4_1); heads keep theirs; a draft model's is the sps option ``draft_weights``. A loaded
+    target keeps the format it was loaded with.
     ``compile``: run the target's decode and verify steps through `torch.compile` (`Target.compile`).
 
     ``options``: the method's drafter options (see `METHODS`) and the acceptance options

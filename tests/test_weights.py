@@ -353,6 +353,22 @@ def test_a_draft_head_drafts_in_the_targets_weight_format(int4_stories, method, 
     assert linears and all(isinstance(m, Int4Linear) for m in linears)
 
 
+def test_sps_drafts_with_the_target_itself_in_a_cheaper_format():
+    """--draft-weights: the float32 target drafted for by its own int8 copy still decodes exactly what it does alone."""
+    vanilla = specula.load(STORIES, weights="float32", dtype="float32")
+    speculator = specula.load(vanilla.target, method="sps", draft=STORIES, draft_weights="int8", num_tokens=4)
+    assert isinstance(speculator.drafter.draft.model.model.layers[0].self_attn.q_proj, Int8Linear)
+    for prompt in STORY_PROMPTS:
+        result = speculator.generate(prompt, max_new_tokens=NEW_TOKENS)
+        assert result.token_ids == vanilla.generate(prompt, max_new_tokens=NEW_TOKENS).token_ids
+        assert sum(result.stats.accepted_lengths) > 0
+
+
+def test_a_bad_draft_weights_value_is_refused_before_loading():
+    with pytest.raises(SpeculaError, match="--draft-weights"):
+        specula.load(STORIES, method="sps", draft=STORIES, draft_weights="q5")
+
+
 def test_divergence_helper_tells_near_ties_from_real_differences():
     model = tiny_model("llama", seed=4)
     target = Target(model)
