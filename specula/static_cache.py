@@ -40,6 +40,11 @@ class StaticKVCache:
         self.block = 0  # provisional entries written by the last forward
         self.reserve(SLOT_STEP)
 
+    def empty_like(self) -> StaticKVCache:
+        """A new cache of the same layers, heads, capacity, dtype and device, holding nothing (first allocation)."""
+        k = self.keys[0]
+        return StaticKVCache(len(self.keys), k.shape[1], k.shape[3], self.capacity, k.dtype, k.device)
+
     @property
     def allocated(self) -> int:
         """Slots allocated now (grown on demand up to ``capacity``)."""

@@ -308,6 +308,11 @@ class Target:
     def reset(self) -> None:
         self.runtime.truncate(0)
 
+    def release(self) -> None:
+        """Forget every token and give back the KV memory a long sequence grew (the cache keeps its first
+        allocation); for a slot that may sit idle, e.g. a server's between requests."""
+        self.runtime.release()
+
     def reserve(self, tokens: int) -> None:
         """Allocate the KV cache for ``tokens`` entries now (capped at `max_length`); it also grows on demand."""
         self.runtime.reserve(min(tokens, self.max_length))
@@ -368,11 +373,16 @@ class _LlamaFamilyRuntime:
     def fork(self) -> _LlamaFamilyRuntime:
         """The same layers and stacked projections (shared, not copied), a new empty cache, no compiled step."""
         other = copy.copy(self)
-        cache = self.cache
-        other.cache = StaticKVCache(len(self.layers), cache.keys[0].shape[1], cache.keys[0].shape[3], cache.capacity,
-                                    cache.keys[0].dtype, cache.keys[0].device)
+        other.cache = self.cache.empty_like()
         other.compiled = None
         return other
+
+    def release(self) -> None:
+        # A compiled step was traced over this cache's tensors: it keeps them (emptied) rather than recompile.
+        if self.compiled is None:
+            self.cache = self.cache.empty_like()
+        else:
+            self.cache.truncate(0)
 
     def refresh_fused(self) -> None:
         """Rebuild the stacked projections of any layer whose linears were replaced (a later requantization)."""
@@ -440,6 +450,9 @@ class _GenericRuntime:
 
     def fork(self) -> _GenericRuntime:
         return _GenericRuntime(self.model, 0)
+
+    def release(self) -> None:
+        self.truncate(0)  # a new, empty DynamicCache
 
     def truncate(self, length: int) -> None:
         from transformers import DynamicCache

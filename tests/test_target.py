@@ -153,6 +153,20 @@ def test_decoding_past_the_first_kv_allocation_gives_the_logits_of_a_cache_alloc
     torch.testing.assert_close(grown[-1], reference, atol=TREE_ATOL, rtol=0)
 
 
+def test_a_released_target_gives_back_its_grown_kv_memory_and_decodes_as_new():
+    from specula.static_cache import SLOT_STEP
+
+    model = tiny_model("llama", seed=4, max_position_embeddings=4 * SLOT_STEP)
+    long_prompt = torch.randint(0, 97, (2 * SLOT_STEP,), generator=torch.Generator().manual_seed(8))
+    prompt = long_prompt[:20]
+    target = Target(model)
+    fresh = Target(model).prefill(prompt).logits
+    target.prefill(long_prompt)
+    target.release()
+    assert target.length == 0 and target.runtime.cache.allocated == SLOT_STEP
+    assert torch.equal(target.prefill(prompt).logits, fresh)
+
+
 def test_compiled_steps_compute_what_eager_steps_compute():
     """Decode, chain and tree blocks (padded to the compiled sizes) give the eager step's logits, features and
     cache: float32 here, where only Inductor's summation order differs."""

@@ -8,7 +8,7 @@ thread keeps up to ``max_batch`` sequences going, each in a slot of its own (a
 `Target.fork` with its own KV cache and a `Drafter.fork`, weights shared), and runs
 one packed target forward per cycle for all of them (`specula.packed`). A request
 joins at the next cycle after a slot frees, and leaves the moment it ends, which
-frees its slot (its cache is reused, not reallocated). How many tokens each
+frees its slot (its cache shrinks back to its first allocation). How many tokens each
 sequence drafts shrinks with the batch (`specula.serve.budget`).
 
 Threads: `submit` runs on the asyncio loop; the worker posts events back with
@@ -396,6 +396,8 @@ class BatchedEngine:
         """The request leaves its slot (free at once for the next one; the next `Sequence` resets its cache and
         drafter state) with its last event."""
         self._running.remove(running)
+        # An idle slot should not hold the KV memory of the longest request it ever served.
+        running.slot.target.release()
         self._free.append(running.slot)
         if isinstance(event, Finished):
             self._post_finished(running.stream, event)
