@@ -96,7 +96,7 @@ class DraftBudget:
         if self._observed % REPLAN_EVERY == 0:
             self._plans.clear()
 
-    def expected_tokens(self, depth: int) -> float:
+    def served_tau(self, depth: int) -> float:
         """τ(d): 1 + Σ_{i ≤ d} P(accepted ≥ i), as served so far."""
         return 1.0 + sum(self.accepted[i] / self.drafted[i] for i in range(min(depth, MAX_DEPTH)))
 
@@ -120,7 +120,7 @@ class DraftBudget:
 
         def rate(d: int) -> float:
             verify = verify_cost(self.curve, round(batch * (1 + self.draft_nodes(d))))
-            return batch * self.expected_tokens(d) / (verify + batch * d * per_level)
+            return batch * self.served_tau(d) / (verify + batch * d * per_level)
 
         best = max(range(self.deepest + 1), key=lambda d: (rate(d), -d))
         return None if best == self.deepest else best
