@@ -249,10 +249,15 @@ def check(target: str | Path | None = None, method: str = "vanilla", draft: str 
                        sampling, time.perf_counter() - started)
 
 
+# A format whose kernel is not a floating-point matmul in its compute dtype says what it does instead.
+_KERNEL_ARITHMETIC = {"q4_1": "8-bit activations, integer block sums"}
+
+
 def _precision(target) -> str:
     """How the report names the target's numbers: its dtype, and the weight format when that is not the dtype."""
     dtype = str(target.dtype).removeprefix("torch.")
     weights = getattr(target, "weights", None)
-    named = dtype if weights in (None, dtype) else f"{weights} weights ({str(compute_dtype(target))[6:]} kernels)"
+    kernels = _KERNEL_ARITHMETIC.get(weights, f"{str(compute_dtype(target))[6:]} kernels")
+    named = dtype if weights in (None, dtype) else f"{weights} weights ({kernels})"
     # A compiled step rounds differently from the eager one: it is part of what was checked.
     return named + (", compiled step" if getattr(target, "compiled", False) else "")
