@@ -85,7 +85,7 @@ def test_target_directory_without_config(capfd, not_a_model):
 
 def test_missing_draft_directory(capfd, tmp_path):
     result = generate(capfd, "--target", STORIES, "--method", "sps", "--draft", tmp_path / "nope", "--prompt", PROMPT)
-    assert_one_line_error(*result, "draft directory not found")
+    assert_one_line_error(*result, "draft model not found")
 
 
 def test_draft_directory_without_config(capfd, not_a_model):
