@@ -8,7 +8,8 @@ SmolLM2-135M its 49,152 × 576 float32 matrix is 108 MiB read per token, a third
 int4 step (one-token forward, 2 threads, AMD EPYC AVX2: int4 44 → 33 ms with the head in
 int4). A tied head then stops sharing its weight with the embedding, which stays float. The formats:
 
-- ``float32``: the weights as loaded (in the ``dtype`` the model was loaded in);
+- ``float32``: the weights as loaded (in the ``dtype`` the model was loaded in); float32 layers on a CPU
+  become `Float32Linear`s on the same parameters, whose matmul layout suits decoding's few rows;
 - ``bfloat16``: weights cast to bfloat16, the matmul in bfloat16;
 - ``int8``: symmetric int8 with one scale per output channel (``_weight_int8pack_mm``), computed in
   bfloat16 (activations cast in and out of each layer; see `KERNEL_DTYPE`);
@@ -48,7 +49,15 @@ from torch import nn
 
 from specula.errors import SpeculaError
 from specula.profile import measured_on
-from specula.quantized_linear import GROUP_SIZE, BFloat16Linear, Int4Linear, Int8Linear, Q4_1Linear, int4_groups
+from specula.quantized_linear import (
+    GROUP_SIZE,
+    BFloat16Linear,
+    Float32Linear,
+    Int4Linear,
+    Int8Linear,
+    Q4_1Linear,
+    int4_groups,
+)
 
 WEIGHT_FORMATS = ("auto", "float32", "bfloat16", "int8", "int4", "q4_1")
 # Formats whose weights are 4-bit groups: a GGUF file's Q4_0/Q4_1 blocks carry into them unchanged.
@@ -56,6 +65,8 @@ GROUPED_FORMATS = ("int4", "q4_1")
 # torch's int8/int4 CPU kernels are vectorized only for bfloat16 on AVX2 CPUs (10x slower in float32, see
 # specula.quantized_linear); the CUDA int4 kernel takes nothing else.
 KERNEL_DTYPE = torch.bfloat16
+# 1 MiB of float32, twice a core's L2 here: SmolLM2-135M's smallest fused projection (q/k/v, 576 x 960) is over it.
+FLOAT32_LAYOUT_MIN_ELEMENTS = 1 << 18
 AUTO_FORMAT = "float32"  # what auto means until `specula calibrate` has chosen on this machine
 LAYER_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -198,9 +209,11 @@ def quantize_linear_weights(model: nn.Module, fmt: str, lm_head: bool = False,
                one, float32 keeps activations exact (for checks: ~10x slower on an AVX2 CPU).
     """
     fmt = resolve_weights(fmt)
-    if fmt == "float32":
-        return WeightsReport(fmt)
     layers = getattr(getattr(model, "model", None), "layers", None)
+    if fmt == "float32":
+        if layers is not None:
+            _use_float32_layout(model, linear_names(len(layers), lm_head))
+        return WeightsReport(fmt)
     if layers is None:
         raise SpeculaError(f"--weights {fmt} needs a Llama-family model (decoder layers at model.layers); "
                            f"{type(model).__name__} has none")
@@ -226,6 +239,7 @@ def quantize_every_linear(module: nn.Module, fmt: str, compute_dtype: torch.dtyp
     """
     fmt = resolve_weights(fmt)
     if fmt == "float32":
+        _use_float32_layout(module, [n for n, m in module.named_modules() if isinstance(m, nn.Linear)])
         return WeightsReport(fmt)
     device = next(itertools.chain(module.parameters(), module.buffers())).device
     converter = LinearConverter(fmt, None, device, compute_dtype=compute_dtype)
@@ -233,6 +247,22 @@ def quantize_every_linear(module: nn.Module, fmt: str, compute_dtype: torch.dtyp
         parent, _, attribute = name.rpartition(".")
         setattr(module.get_submodule(parent) if parent else module, attribute, converter.convert(name, linear))
     return converter.report
+
+
+def _use_float32_layout(model: nn.Module, names: list[str]) -> None:
+    """Swap the float32 CPU `nn.Linear` layers called ``names`` for `Float32Linear`s on the same parameters
+    (faster matmuls for the few rows of a decoding step; the weights and the model stay the same).
+
+    Only weights of at least `FLOAT32_LAYOUT_MIN_ELEMENTS`: the layout pays where a step streams the weight from
+    memory; a small one stays in cache and its extra operations cost more than they save (one row through a
+    64 x 64 weight: 8 us with ``F.linear``, 69 us as two columns).
+    """
+    for name in names:
+        linear = model.get_submodule(name)
+        if (type(linear) is nn.Linear and linear.weight.dtype == torch.float32 and linear.weight.device.type == "cpu"
+                and linear.weight.numel() >= FLOAT32_LAYOUT_MIN_ELEMENTS):
+            parent, _, attribute = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, attribute, Float32Linear.sharing(linear))
 
 
 def _release_loaded_memory(model: nn.Module) -> None:

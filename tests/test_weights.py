@@ -20,6 +20,7 @@ from specula.gguf_blocks import blocks_to_groups, llama_row_order
 from specula.kernels import q4_1
 from specula.quantized_linear import (
     BFloat16Linear,
+    Float32Linear,
     Int4Linear,
     Int8Linear,
     Q4_1Linear,
@@ -29,7 +30,7 @@ from specula.quantized_linear import (
     int8_rows,
 )
 from specula.target import Target
-from specula.weights import check_available, quantize_linear_weights
+from specula.weights import FLOAT32_LAYOUT_MIN_ELEMENTS, check_available, quantize_linear_weights
 
 # q4_1 needs its kernel built (AVX2 and a C++ compiler); elsewhere its cases are skipped, saying why.
 Q4_1 = pytest.param("q4_1", marks=pytest.mark.skipif(q4_1.unavailable_reason() is not None,
@@ -115,13 +116,38 @@ def test_bfloat16_linear_is_a_bfloat16_matmul():
     assert torch.equal(BFloat16Linear(linear)(x), expected)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 4, 16])
+def test_float32_linear_is_the_float32_matmul_on_the_same_parameters(rows):
+    """float32 weights on a CPU get Float32Linear's faster matmul layout: the same weights (shared, not copied)
+    and the same product up to float32 summation order, for one row (a decoding step) or several."""
+    torch.manual_seed(6)
+    linear = torch.nn.Linear(96, 48)
+    module = Float32Linear.sharing(linear)
+    assert module.weight is linear.weight and module.bias is linear.bias
+    x = torch.randn(2, rows, 96)
+    reference = x.double() @ linear.weight.double().t() + linear.bias.double()
+    out = module(x)
+    assert out.shape == (2, rows, 48) and out.dtype == torch.float32 and out.is_contiguous()
+    assert ((out.double() - reference).abs() <= kernel_bound(x, linear.weight, torch.float32)).all()
+
+
+def test_float32_target_keeps_its_tied_lm_head_tied_and_small_layers_plain():
+    """Swapping in Float32Linear keeps every parameter: a tied LM head still is the embedding. Layers small
+    enough to stay in cache keep `F.linear`, which is faster for them."""
+    model = tiny_model("llama", tie_word_embeddings=True, vocab_size=FLOAT32_LAYOUT_MIN_ELEMENTS // 64)
+    quantize_linear_weights(model, "float32", lm_head=True)
+    assert isinstance(model.lm_head, Float32Linear)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert type(model.model.layers[0].self_attn.q_proj) is torch.nn.Linear  # 64 x 64
+
+
 # ---------------------------------------------------------------- GGUF blocks
 
 
 def _linears(fmt: str, rows: list[int], width: int = 64, bias: bool = False) -> list[torch.nn.Module]:
     torch.manual_seed(1)
     plain = [torch.nn.Linear(width, n, bias=bias).requires_grad_(False) for n in rows]
-    convert = {"float32": lambda m: m, "bfloat16": BFloat16Linear, "int8": Int8Linear.from_linear,
+    convert = {"float32": Float32Linear.sharing, "bfloat16": BFloat16Linear, "int8": Int8Linear.from_linear,
                "int4": Int4Linear.from_linear, "q4_1": Q4_1Linear.from_linear}[fmt]
     return [convert(m) for m in plain]
 
