@@ -29,7 +29,8 @@ exact history (every cache operation since the prefill) was seen before is answe
 the runs are bit for bit those of plain decoding and the test is unchanged; only repeated work goes.
 Runs share the prefill always and their verify passes until their tokens part (a few hundred distinct
 histories per prompt instead of one forward per cycle per run); the control reuses the method's
-seeds, so it shares each run's history up to its acceptor's first different decision. The exact
+seeds, so it shares each run's history up to its acceptor's first different decision. A draft model (sps)
+answers through a memo of its own the same way (its prefill and its drafts until the runs part). The exact
 probabilities are computed once per distinct prefix, as token trees on one prefill
 (`specula.exact_distribution`). On stories260k with pld and the defaults, the T > 0 part's target
 forwards go from 4647 loop forwards plus 27 batched exact ones to 626 plus 12 (4021 answered from
@@ -43,6 +44,7 @@ target whose distribution is sharper needs more samples, and the control says so
 
 from __future__ import annotations
 
+import copy
 import time
 from pathlib import Path
 from typing import Any
@@ -157,15 +159,27 @@ def check_greedy(speculator, vanilla, prompts: list[torch.Tensor], max_new_token
     return result
 
 
-def _sample(target, speculator, acceptor, ids: torch.Tensor, params: SamplingParams, tokens: int,
+def _memoized(drafter):
+    """``drafter``, or a copy whose draft model (sps) answers through its own `ForwardMemo`: a draft model's
+    forwards are as deterministic as the target's, and every run of a prompt repeats its prefill."""
+    draft = getattr(drafter, "draft", None)
+    if not isinstance(draft, Target):
+        return drafter
+    memoized = copy.copy(drafter)
+    memoized.draft = ForwardMemo(draft)
+    return memoized
+
+
+def _sample(target, drafter, acceptor, ids: torch.Tensor, params: SamplingParams, tokens: int,
             seeds: range) -> tuple[list[tuple[int, ...]], int, int]:
     """(the first ``tokens`` new tokens of one loop run per seed, draft tokens proposed, draft tokens accepted).
 
-    ``target`` is the speculator's target or a `ForwardMemo` of it: the runs are the same either way.
+    ``target`` is the speculator's target or a `ForwardMemo` of it, ``drafter`` its drafter or `_memoized` copy:
+    the runs are the same either way.
     """
     sequences, drafted, accepted = [], 0, 0
     for seed in seeds:
-        new, stats = generate_tokens(target, speculator.drafter, ids, tokens, params, seed=seed,
+        new, stats = generate_tokens(target, drafter, ids, tokens, params, seed=seed,
                                      stop_on_eos=False, acceptor=acceptor)
         sequences.append(tuple(new))
         drafted += sum(stats.tree_sizes)
@@ -189,10 +203,10 @@ def check_sampling(speculator, prompts: list[torch.Tensor], params: SamplingPara
     method_data, control_data = [], []
     for k, ids in enumerate(prompts):
         seeds = range(seed + k * samples, seed + (k + 1) * samples)  # the control reuses the method's seeds
-        memo = ForwardMemo(speculator.target)
-        drawn, proposed, kept = _sample(memo, speculator, speculator.acceptor, ids, params, tokens, seeds)
-        planted, _, _ = _sample(memo, speculator, control, ids, params, tokens, seeds)
-        del memo  # its remembered outputs and cache entries
+        memo, drafter = ForwardMemo(speculator.target), _memoized(speculator.drafter)
+        drawn, proposed, kept = _sample(memo, drafter, speculator.acceptor, ids, params, tokens, seeds)
+        planted, _, _ = _sample(memo, drafter, control, ids, params, tokens, seeds)
+        del memo, drafter  # their remembered outputs and cache entries
         drafted, accepted = drafted + proposed, accepted + kept
         exact = ExactDistribution(speculator.target, ids, params)
         cells = likely_sequences(exact, tokens, MIN_EXPECTED / samples)

@@ -4,7 +4,7 @@
 seeds. Most of those runs share their beginning: the prompt's prefill always, and then every verify
 forward until their sampled tokens part. `ForwardMemo` wraps a `Target` and keys each forward on the
 exact sequence of cache operations since the last prefill (prefill tokens, every forward's tokens,
-block mask, depths and feature request, every commit's kept rows): a trie of histories. When a
+block mask, depths and feature request, every commit's kept rows, every truncation): a trie of histories. When a
 forward's whole history has been seen, the remembered output is returned and the block's remembered
 keys and values are written to the cache slots the real forward would have written.
 
@@ -16,7 +16,8 @@ returns bit for bit what the forward would compute, and the loop that consumes i
 sampler, their random generator) runs unchanged. Only the target's forward is skipped; drafters and
 acceptors, the code under test, always run. This assumes every cache operation goes through the memo,
 i.e. no drafter runs the target's cache behind the loop's back (none does: EAGLE-style drafters only
-read the target's embedding and head weights; a draft model has its own `Target`).
+read the target's embedding and head weights; a draft model has its own `Target`, which `specula check`
+wraps in a memo of its own for the same reason).
 
 Only targets with a static KV cache (the Llama-family runtime) are memoized; any other target runs
 every forward. Memory is bounded by ``max_bytes``: past it, new forwards are computed and not kept.
@@ -60,7 +61,7 @@ class ForwardMemo:
         cache = getattr(target.runtime, "cache", None)
         self.cache = cache if isinstance(cache, StaticKVCache) else None
         self.root = _Node()
-        self.node: _Node | None = None  # the current history; None = not tracked (after a partial truncate)
+        self.node: _Node | None = None  # the current history; None = not tracked (memory budget spent)
         self.max_bytes, self.bytes = max_bytes, 0
         self.forwards = self.hits = 0
 
@@ -77,8 +78,13 @@ class ForwardMemo:
 
     def truncate(self, length: int) -> None:
         self.target.truncate(length)
-        # An empty cache is a fresh start; a partial history is not a key, so stop tracking.
-        self.node = self.root if length == 0 and self.cache is not None else None
+        # An empty cache is a fresh start. Cutting a tracked history to ``length`` leaves rows that are a function
+        # of that history, and later forwards read only rows below the length, so the cut is one more operation
+        # of the key (a draft model's loop drops its rejected drafts this way).
+        if length == 0 and self.cache is not None:
+            self.node = self.root
+        elif self.node is not None:
+            self.node = self.node.children.setdefault(("truncate", int(length)), _Node())
 
     def prefill(self, tokens: torch.Tensor, features: FeatureRequest = NO_FEATURES) -> ForwardOutput:
         """`Target.prefill`: reset, forward the whole prompt, commit it (each step remembered)."""

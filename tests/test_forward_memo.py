@@ -3,6 +3,7 @@ runs of plain decoding, and the exact distribution computed as token trees is th
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,28 @@ def test_runs_through_the_memo_are_the_plain_runs_and_share_forwards(method, dra
     assert sum(sum(stats.accepted_lengths) for _, stats in plain) > 0  # speculation happened
     cycles = sum(stats.cycles for _, stats in plain)
     assert memo.forwards + memo.hits == cycles and memo.hits >= 39  # every prefill after the first, at least
+
+
+def test_a_draft_model_through_its_own_memo_drafts_what_it_drafts_plainly():
+    """sps's draft model keeps and cuts its own cache (rejected drafts are truncated away); remembered through a
+    memo of its own, as `specula check` runs it, every run is still the plain run."""
+    speculator = specula.load(STORIES, "sps", draft=LLAMA2XS, dtype="float32", profile=False)
+    prompt = speculator.encode("Lily and Tom went to the park. Lily and Tom went to the park. Lily and Tom")
+    params = SamplingParams(temperature=1.0)
+    drafter = copy.copy(speculator.drafter)
+    drafter.draft = ForwardMemo(speculator.drafter.draft)
+
+    def runs(target, drafter):
+        return [generate_tokens(target, drafter, prompt, 8, params, seed=seed, stop_on_eos=False)
+                for seed in range(40)]
+
+    remembered, plain = runs(ForwardMemo(speculator.target), drafter), runs(speculator.target, speculator.drafter)
+    for (tokens, stats), (expected, expected_stats) in zip(remembered, plain, strict=True):
+        assert tokens == expected
+        assert stats.accepted_lengths == expected_stats.accepted_lengths
+    assert sum(sum(stats.accepted_lengths) for _, stats in plain) > 0
+    # Every run after the first answers its draft prefill from memory, and runs keep sharing after a truncation.
+    assert drafter.draft.hits >= 39 + 10 and drafter.draft.forwards > 0
 
 
 def test_memo_stops_remembering_past_its_budget_and_still_decodes_plainly():
