@@ -273,9 +273,10 @@ class Float32Linear(nn.Linear):
     reads W at very different rates by layout. Measured on this project's machine (AMD EPYC, AVX2, 2 threads,
     torch 2.13 with MKL 2024.2), the 49,152 x 576 LM head: 1 row 9.1 ms (``F.linear``) vs 5.1 ms (two
     columns); 2 rows 21.4 vs 6.0; 4 rows 21.3 vs 5.6; 16 rows 24.2 vs 13.9; 64 rows 44.0 vs 29.8. The whole
-    SmolLM2-135M forward after 40 tokens: 1 token 51 → 43 ms, 2 tokens 90 → 58, 4 tokens 92 → 60, 64 tokens
-    246 → 169. Same products and sums in float32, possibly in another order (rounding noise, as between any
-    two matmul shapes). Elsewhere (CUDA) it is plain ``F.linear``.
+    SmolLM2-135M forward after 40 tokens (alternating runs, medians): 1 token 54–57 → 47–50 ms, 2 tokens
+    92–96 → 43–47, 4 tokens 99–104 → 46–50, 8 tokens 95–107 → 65–70. Same products and sums in float32,
+    possibly in another order (rounding noise, as between any two matmul shapes). Elsewhere (CUDA) it is plain
+    ``F.linear``; `specula.weights` swaps it in only for weights too large to stay in cache.
     """
 
     @classmethod
