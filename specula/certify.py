@@ -159,11 +159,17 @@ def check_greedy(speculator, vanilla, prompts: list[torch.Tensor], max_new_token
     return result
 
 
+def _draft_model(drafter) -> Target | None:
+    """The separate draft model a drafter runs (sps), or None (heads and lookups run no model of their own)."""
+    draft = getattr(drafter, "draft", None)
+    return draft if isinstance(draft, Target) else None
+
+
 def _memoized(drafter):
     """``drafter``, or a copy whose draft model (sps) answers through its own `ForwardMemo`: a draft model's
     forwards are as deterministic as the target's, and every run of a prompt repeats its prefill."""
-    draft = getattr(drafter, "draft", None)
-    if not isinstance(draft, Target):
+    draft = _draft_model(drafter)
+    if draft is None:
         return drafter
     memoized = copy.copy(drafter)
     memoized.draft = ForwardMemo(draft)
@@ -255,8 +261,8 @@ def check(target: str | Path | None = None, method: str = "vanilla", draft: str 
         sampling = check_sampling(speculator, sample_ids, params, samples, tokens, seed, alpha)
     target_name = speculator.target.name
     draft_name = None if draft is None else Path(draft).name
-    draft_model = getattr(speculator.drafter, "draft", None)  # sps: a model whose format is part of what was checked
-    if draft_name is not None and isinstance(draft_model, Target):
+    draft_model = _draft_model(speculator.drafter)  # sps: a model whose format is part of what was checked
+    if draft_name is not None and draft_model is not None:
         draft_name += f", {_precision(draft_model)}"
     return CheckReport(target_name, speculator.method, draft_name,
                        _precision(speculator.target), str(speculator.target.device), greedy,

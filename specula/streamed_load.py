@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specula.weights import LAYER_LINEARS, LinearConverter, WeightsReport, linear_names, trim_heap
+from specula.weights import LAYER_LINEARS, LinearConverter, WeightsReport, linear_names, replace_submodule, trim_heap
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -92,8 +92,7 @@ def load_converted(model_dir: Path, config, torch_dtype: torch.dtype, fmt: str,
         linear.weight = nn.Parameter(index.read(f"{stored_name}.weight", torch_dtype), requires_grad=False)
         if meta.bias is not None:
             linear.bias = nn.Parameter(index.read(f"{name}.bias", torch_dtype), requires_grad=False)
-        parent, _, attribute = name.rpartition(".")
-        setattr(model.get_submodule(parent), attribute, converter.convert(name, linear))
+        replace_submodule(model, name, converter.convert(name, linear))
         if stored_name == name:
             stored.pop(f"{name}.weight")
             stored.pop(f"{name}.bias", None)

@@ -223,8 +223,7 @@ def quantize_linear_weights(model: nn.Module, fmt: str, lm_head: bool = False,
         if not isinstance(linear, nn.Linear):
             continue  # already converted, or a layer kind this does not know
         replacement = converter.convert(name, linear)
-        parent, _, attribute = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, attribute, replacement)
+        replace_submodule(model, name, replacement)
     if converter.report.converted:
         del linear, replacement  # the last replaced layer would keep the file mapping alive
         _release_loaded_memory(model)
@@ -244,8 +243,7 @@ def quantize_every_linear(module: nn.Module, fmt: str, compute_dtype: torch.dtyp
     device = next(itertools.chain(module.parameters(), module.buffers())).device
     converter = LinearConverter(fmt, None, device, compute_dtype=compute_dtype)
     for name, linear in [(n, m) for n, m in module.named_modules() if isinstance(m, nn.Linear)]:
-        parent, _, attribute = name.rpartition(".")
-        setattr(module.get_submodule(parent) if parent else module, attribute, converter.convert(name, linear))
+        replace_submodule(module, name, converter.convert(name, linear))
     return converter.report
 
 
@@ -261,8 +259,13 @@ def _use_float32_layout(model: nn.Module, names: list[str]) -> None:
         linear = model.get_submodule(name)
         if (type(linear) is nn.Linear and linear.weight.dtype == torch.float32 and linear.weight.device.type == "cpu"
                 and linear.weight.numel() >= FLOAT32_LAYOUT_MIN_ELEMENTS):
-            parent, _, attribute = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, attribute, Float32Linear.sharing(linear))
+            replace_submodule(model, name, Float32Linear.sharing(linear))
+
+
+def replace_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    """Put ``module`` where ``model.get_submodule(name)`` is."""
+    parent, _, attribute = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, attribute, module)
 
 
 def _release_loaded_memory(model: nn.Module) -> None:
