@@ -90,6 +90,58 @@ def test_aggregate_per_category_and_best_transformers_baseline():
     assert table["pld"]["overall"]["greedy_equal"] == 1.0
 
 
+def test_tau_by_context_pools_each_prompt_length_bucket_and_the_report_shows_it(tmp_path):
+    from specula.bench.report import markdown
+
+    def turn(prompt_tokens, new_tokens, cycles, wall):
+        return {"prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "cycles": cycles, "wall_time": wall,
+                "token_ids": [1] * new_tokens}
+
+    long_chat = record("a", "m", 1.0, turns=[turn(100, 20, 10, 1.0), turn(600, 30, 10, 1.0),
+                                             turn(2500, 10, 10, 2.0), turn(3900, 30, 10, 2.0)])
+    other = record("b", "m", 1.0, turns=[turn(400, 40, 10, 1.0)])
+    hf = record("a", "hf", 1.0, cycles=None, turns=[turn(100, 20, None, 1.0)])
+    by_context = metrics.tau_by_context([long_chat, other])
+    assert list(by_context) == ["<512", "512-1k", "2k-4k"]  # empty buckets are left out
+    assert by_context["<512"] == {"turns": 2, "new_tokens": 60, "tau": 3.0, "tokens_per_s": 30.0}
+    assert by_context["2k-4k"]["tau"] == pytest.approx(40 / 20) and by_context["2k-4k"]["tokens_per_s"] == 10.0
+    assert metrics.tau_by_context([hf]) == {}  # no cycles counted: no τ
+    table = metrics.aggregate([long_chat, other, hf], ["m", "hf"], hf_methods=["hf"])
+    assert table["0"]["m"]["overall"]["by_context"] == by_context
+    settings = {"target": "t", "dtype": "float32", "device": "cpu", "threads": 1, "max_new_tokens": 8, "top_k": 0,
+                "top_p": 1.0, "seed": 0, "data": ["q"], "methods": {}}
+    text = markdown({"settings": settings, "records": [long_chat, other, hf], "aggregates": table})
+    assert "| method | <512 | 512-1k | 2k-4k |" in text
+    assert "| m | 3.00 / 30.0 (2) | 3.00 / 30.0 (1) | 2.00 / 10.0 (2) |" in text
+    assert "| hf |  |" not in text  # a row without τ is left out
+    # One bucket only (short prompts): no such table.
+    short = metrics.aggregate([other], ["m"])
+    assert "By prompt length" not in markdown({"settings": settings, "records": [other], "aggregates": short})
+
+
+def test_long_chat_questions_chain_the_source_turns_across_categories(tmp_path):
+    import subprocess
+    import sys
+
+    source = tmp_path / "q.jsonl"
+    source.write_text("\n".join(json.dumps(q) for q in [
+        {"question_id": 1, "category": "writing", "turns": ["w1a", "w1b"]},
+        {"question_id": 2, "category": "writing", "turns": ["w2a"]},
+        {"question_id": 3, "category": "math", "turns": ["m1a", "m1b"]}]) + "\n")
+    script = Path(__file__).resolve().parents[1] / "scripts" / "long_chat_questions.py"
+    out = tmp_path / "long.jsonl"
+    run = subprocess.run([sys.executable, str(script), "--source", str(source), "--conversations", "2", "--turns", "2",
+                          "--out", str(out)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    chats = read_questions(out)
+    assert [c.turns for c in chats] == [("w1a", "w1b"), ("m1a", "m1b")]  # writing, then math, then writing again
+    assert {c.category for c in chats} == {"long_chat"}
+    run = subprocess.run([sys.executable, str(script), "--source", str(source), "--conversations", "3", "--turns", "2",
+                          "--out", str(tmp_path / "too_many.jsonl")], capture_output=True, text=True)
+    assert run.returncode == 2 and "has 5 turns" in run.stderr and "Traceback" not in run.stderr
+    assert not (tmp_path / "too_many.jsonl").exists()
+
+
 def test_calibration_histogram():
     cal = metrics.empty_calibration()
     for confidence, accepted in [(0.02, False), (0.03, True), (0.97, True), (1.0, True)]:

@@ -19,6 +19,9 @@ for its fields. The definitions:
 - calibration (EAGLE-2 Fig. 6): tested draft tokens binned by the drafter's own
   probability of the token given its parent; a bin's acceptance rate is the
   fraction of its tokens on the accepted path;
+- τ by context length: the same ratio over the turns whose prompt (the conversation so far, with the
+  model's own earlier answers) falls in a length bucket (`CONTEXT_BUCKETS`), for drafters that lose
+  acceptance as the context grows;
 - greedy equality: at T=0, the fraction of questions whose tokens equal vanilla's; the others are
   split into near-ties and real divergences (`specula.bench.divergences`, the check's classifier).
 """
@@ -29,6 +32,9 @@ import statistics
 from collections.abc import Iterable, Sequence
 
 CALIBRATION_BINS = 20
+# Prompt-length buckets of `tau_by_context`, in tokens: [lower, upper) with a label.
+CONTEXT_BUCKETS = ((0, 512, "<512"), (512, 1024, "512-1k"), (1024, 2048, "1k-2k"), (2048, 4096, "2k-4k"),
+                   (4096, None, ">=4k"))
 
 
 def depth_counts(accepted: Sequence[int], tried_next: Sequence[bool]) -> tuple[list[int], list[int]]:
@@ -78,6 +84,23 @@ def tau(records: Iterable[dict]) -> float | None:
     records = [r for r in records if r.get("cycles")]
     cycles = sum(r["cycles"] for r in records)
     return sum(r["new_tokens"] for r in records) / cycles if cycles else None
+
+
+def tau_by_context(records: Iterable[dict]) -> dict[str, dict]:
+    """{bucket label: {"turns", "new_tokens", "tau", "tokens_per_s"}} over the records' turns, by prompt length.
+
+    Only buckets holding a turn with counted cycles appear; tokens/s is pooled (the bucket's new tokens over
+    its turns' wall time, prefill included).
+    """
+    out = {}
+    turns = [t for r in records for t in r["turns"] if t.get("cycles")]
+    for lower, upper, label in CONTEXT_BUCKETS:
+        inside = [t for t in turns if t["prompt_tokens"] >= lower and (upper is None or t["prompt_tokens"] < upper)]
+        if inside:
+            tokens, wall = sum(t["new_tokens"] for t in inside), sum(t["wall_time"] for t in inside)
+            out[label] = {"turns": len(inside), "new_tokens": tokens, "tau": tokens / sum(t["cycles"] for t in inside),
+                          "tokens_per_s": tokens / wall if wall else None}
+    return out
 
 
 def mean_tokens_per_s(records: Iterable[dict]) -> float | None:
@@ -218,6 +241,7 @@ def aggregate(records: list[dict], methods: list[str], baseline: str = "vanilla"
                     row[category] = summarize(group, [r for r in base_all if r["category"] == category],
                                               temperature == 0)
             row["overall"] = summarize(mine, base_all, temperature == 0)
+            row["overall"]["by_context"] = tau_by_context(mine)
             table[method] = row
         hf_rates = {m: table[m]["overall"]["tokens_per_s"] for m in hf_methods if m in table}
         best_hf = max(hf_rates, key=hf_rates.get) if hf_rates else None

@@ -3,7 +3,8 @@
 - ``results.md``: per temperature, a table shaped like Table 1 of the EAGLE-2
   paper (rows methods, columns categories and overall, cells "speedup× / τ"),
   then per-method details (tokens/s, speedup over the best `transformers`
-  baseline, greedy equality, acceptance by depth, time shares, memory).
+  baseline, greedy equality, acceptance by depth, time shares, memory), and τ by prompt length
+  when the turns span several length buckets (long conversations).
 - ``speedup_tau.png``: speedup and τ per method and category.
 - ``acceptance_by_depth.png``: acceptance rate by depth in the draft (cf. EAGLE-2 Fig. 5), per
   cycle (n-α, top row) and per tested draft token (bottom row; lower than n-α in trees, where
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specula.bench.metrics import calibration_curve
+from specula.bench.metrics import CONTEXT_BUCKETS, calibration_curve
 from specula.bench.runners import is_lossy
 from specula.outputs import atomic_write, atomic_write_text
 
@@ -126,6 +127,7 @@ def markdown(results: dict) -> str:
             lines += ["", f"Greedy outputs of {', '.join(m for m in unequal if m not in real)} differ from vanilla "
                           "only where the target's top two logits tie within the dtype's rounding noise (near-ties, "
                           "as `specula check` classifies them)."]
+        lines += _context_lines(table, settings, temperature)
         lines += _llamacpp_lines(results.get("llamacpp", {}).get(temperature))
     lines += [
         "",
@@ -139,6 +141,24 @@ def markdown(results: dict) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _context_lines(table: dict, settings: dict, temperature: str) -> list[str]:
+    """τ and tokens/s by the turn's prompt length, when the run's turns span more than one length bucket."""
+    by_method = {m: r["overall"].get("by_context") or {} for m, r in table.items()}
+    buckets = [label for _, _, label in CONTEXT_BUCKETS if any(label in b for b in by_method.values())]
+    if len(buckets) < 2:
+        return []
+    lines = ["", f"By prompt length at T={temperature} (tokens of the conversation before each answer; cells τ / "
+                 "tokens/s (turns), prefill included):", "",
+             "| method | " + " | ".join(buckets) + " |", "|---" * (len(buckets) + 1) + "|"]
+    for method, cells in by_method.items():
+        if not cells:
+            continue  # no cycles counted (a `transformers` baseline without a forward counter)
+        row = [f"{_num(c['tau'], '.2f')} / {_num(c['tokens_per_s'], '.1f')} ({c['turns']})" if c else ""
+               for c in (cells.get(label) for label in buckets)]
+        lines.append(f"| {_row_label(method, settings, temperature)} | " + " | ".join(row) + " |")
+    return lines
 
 
 def _llamacpp_lines(table: dict | None) -> list[str]:
