@@ -422,6 +422,9 @@ BAD_SETTINGS = {
     "warmup negative": (["--warmup-steps", "-5"], "--warmup-steps"),
     "gen temperature inf": (["--gen-temperature", "inf"], "--gen-temperature"),
     "gen temperature nan": (["--gen-temperature", "nan"], "--gen-temperature"),
+    "gen temperature twice": (["--gen-temperature", "0,1,0"], "--gen-temperature"),
+    "gen temperature list with inf": (["--gen-temperature", "0,inf"], "--gen-temperature"),
+    "gen temperature list with a gap": (["--gen-temperature", "0,"], "--gen-temperature"),
 }
 
 

@@ -377,6 +377,30 @@ def test_train_samples_cut_the_train_set_and_keep_the_held_out_set(target, tmp_p
         feature_sets(target, DataOptions(**options, train_samples=10), request, log=None)
 
 
+def test_greedy_and_sampled_responses_train_together_and_keep_the_greedy_held_out_set(target, tmp_path):
+    from specula.training.recipe import DataOptions, feature_sets
+
+    write_jsonl(tmp_path / "data.jsonl", [{"prompt": p} for p in STORY_PROMPTS[:12]])
+    options = dict(data=tmp_path / "data.jsonl", cache_dir=tmp_path / "cache", max_new_tokens=6, eval_samples=3)
+    request = FeatureRequest(final_hidden=True)
+    greedy_train, greedy_eval = feature_sets(target, DataOptions(**options), request, log=None)
+    both_train, both_eval = feature_sets(target, DataOptions(**options, temperatures=(0.0, 1.0)), request, log=None)
+    # The greedy samples keep their cache, their places and the held-out set; each training record adds its
+    # sampled response, and no held-out record's sampled response is trained on.
+    cache = tmp_path / "cache"
+    assert (cache / "samples.pt").is_file() and (cache / "samples-t1" / "samples.pt").is_file()
+    assert both_eval.indices == greedy_eval.indices and both_train.indices[:9] == greedy_train.indices
+    assert len(both_train) == 18 and all(i >= 12 for i in both_train.indices[9:])
+    held_prompts = {tuple(greedy_eval[i]["input_ids"][~greedy_eval[i]["loss_mask"]].tolist()) for i in range(3)}
+    sampled = [both_train[i] for i in range(9, 18)]
+    trained_prompts = {tuple(item["input_ids"][~item["loss_mask"]].tolist()) for item in sampled}
+    assert len(trained_prompts) == 9 and not held_prompts & trained_prompts
+    greedy = [both_train[i] for i in range(9)]
+    assert any(not torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(greedy, sampled, strict=True))
+    with pytest.raises(SpeculaError, match="each regeneration temperature once"):
+        DataOptions(**options, temperatures=(1.0, 1.0))
+
+
 def test_prompt_crop_keeps_the_response_and_the_last_prompt_tokens():
     from specula.training.recipe import PromptCrop
 

@@ -64,6 +64,17 @@ def number_in(kind: type, low: float, high: float, expected: str):
 
 
 unit_fraction = number_in(float, 0.0, 1.0, "a fraction")
+temperature_value = number_in(float, 0.0, float("inf"), "a temperature")
+
+
+def temperature_list(text: str) -> tuple[float, ...]:
+    """An argparse type: comma-separated finite temperatures >= 0, each once (``0,1``)."""
+    values = tuple(temperature_value(part.strip()) for part in text.split(","))
+    if any(v == float("inf") for v in values):
+        raise argparse.ArgumentTypeError(f"a temperature must be finite, got '{text}'")
+    if len(set(values)) < len(values):
+        raise argparse.ArgumentTypeError(f"each temperature once, got '{text}'")
+    return values
 
 
 def device_name(text: str) -> str:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from transformers import AutoConfig
 
-from specula.cli.common import DTYPE_CHOICES, device_name, positive_int
+from specula.cli.common import DTYPE_CHOICES, device_name, positive_int, temperature_list
 from specula.drafters.medusa import CHOICES_FILE, check_heads_fit
 from specula.errors import SpeculaError
 from specula.heads.eagle_head import EagleHead
@@ -50,8 +50,9 @@ def add_data_arguments(p: argparse.ArgumentParser) -> None:
                    help="train on the data's own responses instead of the target's (no self-distillation)")
     p.add_argument("--gen-max-new-tokens", type=positive_int, default=256, metavar="N",
                    help="length of regenerated responses (default: %(default)s)")
-    p.add_argument("--gen-temperature", type=float, default=0.0, metavar="T",
-                   help="temperature of regenerated responses (default: %(default)s, greedy)")
+    p.add_argument("--gen-temperature", type=temperature_list, default=(0.0,), metavar="T[,T...]",
+                   help="temperature of regenerated responses (default: 0, greedy); several, e.g. 0,1, give each "
+                        "prompt one response per temperature (heads serve greedy and sampled decoding alike)")
     p.add_argument("--gen-batch-size", type=positive_int, default=16, metavar="N")
     p.add_argument("--eval-samples", type=positive_int, default=32, metavar="N",
                    help="samples held out for the per-epoch evaluation (default: %(default)s)")
@@ -84,7 +85,7 @@ def training_inputs(args: argparse.Namespace, request):
                          grad_clip=args.grad_clip, save_every=args.save_every, seed=args.seed,
                          mixed_precision=args.mixed_precision)
     options = DataOptions(data=args.data, cache_dir=args.cache_dir, regenerate=not args.no_regenerate,
-                          max_new_tokens=args.gen_max_new_tokens, temperature=args.gen_temperature,
+                          max_new_tokens=args.gen_max_new_tokens, temperatures=args.gen_temperature,
                           batch_size=args.gen_batch_size, eval_samples=args.eval_samples, seed=args.seed,
                           train_samples=args.train_samples, max_prompt_context=args.max_prompt_context)
     kind = f"train {args.trainer}"

@@ -21,7 +21,9 @@ class DataOptions:
     cache_dir: Path | None = None
     regenerate: bool = True  # the target writes the responses (self-distillation)
     max_new_tokens: int = 256
-    temperature: float = 0.0
+    # Regeneration temperatures: each record gets one response per temperature (heads serve greedy and sampled
+    # decoding alike). The first one's samples form the held-out set, so runs that add temperatures compare.
+    temperatures: tuple[float, ...] = (0.0,)
     batch_size: int = 16
     eval_samples: int = 32
     seed: int = 0
@@ -29,9 +31,15 @@ class DataOptions:
     max_prompt_context: int | None = None  # train-set items keep at most this many tokens before the response
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.temperature, (int, float)) and 0.0 <= self.temperature < float("inf")):
-            raise SpeculaError(f"the regeneration temperature (--gen-temperature) must be a finite number >= 0, "
-                               f"got {self.temperature!r}")
+        self.temperatures = tuple(self.temperatures)
+        if not self.temperatures:
+            raise SpeculaError("give at least one regeneration temperature (--gen-temperature)")
+        for value in self.temperatures:
+            if not (isinstance(value, (int, float)) and 0.0 <= value < float("inf")):
+                raise SpeculaError(f"the regeneration temperature (--gen-temperature) must be a finite number >= 0, "
+                                   f"got {value!r}")
+        if len(set(self.temperatures)) < len(self.temperatures):
+            raise SpeculaError(f"each regeneration temperature once, got {', '.join(map(str, self.temperatures))}")
 
 
 class PromptCrop:
@@ -70,30 +78,48 @@ class Subset:
 def feature_sets(target: Target, options: DataOptions, request: FeatureRequest, log=print) -> tuple[Subset, Subset]:
     """(train, eval) feature sets; eval holds ``eval_samples`` samples chosen with the seed.
 
-    With ``train_samples`` the train set is the first that many of the rest, so runs on 1x, 2x, 4x the
-    data share one sample cache and one held-out set.
+    The held-out samples are chosen among the first temperature's; every temperature's sample of a held-out
+    record stays out of training (the same prompt answered at another temperature is still that prompt).
+    With ``train_samples`` the train set is the first that many records of the rest (at each temperature), so
+    runs on 1x, 2x, 4x the data share one sample cache and one held-out set.
     """
-    samples = prepare_samples(target, options.data, cache_dir=options.cache_dir,
-                              regenerate=options.regenerate, max_new_tokens=options.max_new_tokens,
-                              temperature=options.temperature, batch_size=options.batch_size, seed=options.seed,
-                              log=log)
-    samples = [s for s in samples if bool(s.loss_mask.any())]
-    if len(samples) <= options.eval_samples:
-        raise SpeculaError(f"{len(samples)} samples with a response are too few to hold out "
+    runs = [prepare_samples(target, options.data, cache_dir=_samples_dir(options.cache_dir, rank, temperature),
+                            regenerate=options.regenerate, max_new_tokens=options.max_new_tokens,
+                            temperature=temperature, batch_size=options.batch_size, seed=options.seed, log=log)
+            for rank, temperature in enumerate(options.temperatures)]
+    # (temperature rank, record) of every sample with a response, the first temperature's first: a cache made
+    # with fewer temperatures keeps its feature shards.
+    places = [(rank, record) for rank, run in enumerate(runs)
+              for record, sample in enumerate(run) if bool(sample.loss_mask.any())]
+    samples = [runs[rank][record] for rank, record in places]
+    firsts = [record for rank, record in places if rank == 0]
+    if len(firsts) <= options.eval_samples:
+        raise SpeculaError(f"{len(firsts)} samples with a response are too few to hold out "
                            f"{options.eval_samples} for evaluation")
     if options.cache_dir is not None:
         features = cache_features(target, samples, Path(options.cache_dir) / _request_name(request), request, log=log)
     else:
         features = OnlineFeatures(target, samples, request)
-    order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(options.seed)).tolist()
-    held_out = sorted(order[: options.eval_samples])
-    kept = sorted(order[options.eval_samples:])
+    order = torch.randperm(len(firsts), generator=torch.Generator().manual_seed(options.seed)).tolist()
+    held_out = sorted(order[: options.eval_samples])  # indices of `samples`: the first temperature's come first
+    kept_records = [firsts[i] for i in sorted(order[options.eval_samples:])]
     if options.train_samples is not None:
-        if options.train_samples > len(kept):
-            raise SpeculaError(f"--train-samples {options.train_samples} exceeds the {len(kept)} training samples")
-        kept = kept[: options.train_samples]
+        if options.train_samples > len(kept_records):
+            raise SpeculaError(f"--train-samples {options.train_samples} exceeds the {len(kept_records)} training "
+                               "samples")
+        kept_records = kept_records[: options.train_samples]
+    position = {place: index for index, place in enumerate(places)}
+    kept = [position[rank, record] for rank in range(len(runs)) for record in kept_records
+            if (rank, record) in position]
     train = features if options.max_prompt_context is None else PromptCrop(features, options.max_prompt_context)
     return Subset(train, kept), Subset(features, held_out)
+
+
+def _samples_dir(cache_dir: Path | None, rank: int, temperature: float) -> Path | None:
+    """Where one temperature's samples are cached: the first temperature's in ``cache_dir`` itself (as with one)."""
+    if cache_dir is None or rank == 0:
+        return cache_dir
+    return Path(cache_dir) / f"samples-t{temperature:g}"
 
 
 def _request_name(request: FeatureRequest) -> str:
