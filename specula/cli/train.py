@@ -57,7 +57,8 @@ def add_data_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-samples", type=positive_int, default=32, metavar="N",
                    help="samples held out for the per-epoch evaluation (default: %(default)s)")
     p.add_argument("--train-samples", type=positive_int, metavar="N",
-                   help="train on only the first N non-held-out samples (data-scaling runs share one cache)")
+                   help="train on only the first N non-held-out prompts, at each --gen-temperature (data-scaling "
+                        "runs share one cache)")
     p.add_argument("--max-prompt-context", type=positive_int, metavar="N",
                    help="train on at most N prompt tokens before each response (faster on long prompts)")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32",
