@@ -15,7 +15,7 @@ from pathlib import Path
 
 from transformers import AutoConfig
 
-from specula.cli.common import DTYPE_CHOICES, device_name, positive_int, temperature_list
+from specula.cli.common import DTYPE_CHOICES, device_name, number_list, positive_int
 from specula.drafters.medusa import CHOICES_FILE, check_heads_fit
 from specula.errors import SpeculaError
 from specula.heads.eagle_head import EagleHead
@@ -50,7 +50,7 @@ def add_data_arguments(p: argparse.ArgumentParser) -> None:
                    help="train on the data's own responses instead of the target's (no self-distillation)")
     p.add_argument("--gen-max-new-tokens", type=positive_int, default=256, metavar="N",
                    help="length of regenerated responses (default: %(default)s)")
-    p.add_argument("--gen-temperature", type=temperature_list, default=(0.0,), metavar="T[,T...]",
+    p.add_argument("--gen-temperature", type=number_list, default=(0.0,), metavar="T[,T...]",
                    help="temperature of regenerated responses (default: 0, greedy); several, e.g. 0,1, give each "
                         "prompt one response per temperature (heads serve greedy and sampled decoding alike)")
     p.add_argument("--gen-batch-size", type=positive_int, default=16, metavar="N")

@@ -39,7 +39,8 @@ class DataOptions:
                 raise SpeculaError(f"the regeneration temperature (--gen-temperature) must be a finite number >= 0, "
                                    f"got {value!r}")
         if len(set(self.temperatures)) < len(self.temperatures):
-            raise SpeculaError(f"each regeneration temperature once, got {', '.join(map(str, self.temperatures))}")
+            given = ", ".join(map(str, self.temperatures))
+            raise SpeculaError(f"--gen-temperature: each regeneration temperature once, got {given}")
 
 
 class PromptCrop:
