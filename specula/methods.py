@@ -407,7 +407,7 @@ def profile_options(method: str, measured: dict | None, device: str) -> dict:
     return check_options(method, usable, where) if usable else {}
 
 
-def build_speculator(target: str | Path | Target = DEFAULT_TARGET, method: str = "vanilla",
+def build_speculator(target: str | Path | Target | None = DEFAULT_TARGET, method: str = "vanilla",
                      draft: str | Path | None = None, dtype: str = "auto", device: str = "cpu",
                      max_length: int | None = None, profile: bool | str | Path = True, weights: str = "auto",
                      compile: bool = False, **options: Any) -> Speculator:
@@ -421,8 +421,10 @@ def build_speculator(target: str | Path | Target = DEFAULT_TARGET, method: str =
     ``options``: the method's drafter options (see `METHODS`) and the acceptance options
     (``acceptance``, ``typical_threshold``, ``typical_alpha``). ``profile``: a hardware profile written
     by `specula calibrate` supplies drafter options not given (True: the default location for this
-    target, a path: that file, False: none).
+    target, a path: that file, False: none). ``target`` None is the bundled default.
     """
+    if target is None:
+        target = DEFAULT_TARGET
     acceptance, drafter_options = AcceptanceOptions.split(options)
     checked = check_options(method, drafter_options)
     if isinstance(dtype, str) and dtype != "auto" and dtype not in DTYPES:

@@ -9,7 +9,7 @@ import torch
 from conftest import STORIES, STORY_PROMPTS
 
 import specula
-from specula.drafters.eagle import EagleDrafter
+from specula.drafters.eagle import GPU_CHOICES, EagleDrafter
 from specula.errors import SpeculaError
 from specula.heads.eagle_head import EagleHead
 from specula.training.eagle_trainer import train_eagle
@@ -95,10 +95,13 @@ def test_training_loss_falls(eagle_head_dir):
     assert evaluations and evaluations[-1]["0-alpha"] > evaluations[0]["0-alpha"]
 
 
-@pytest.mark.parametrize("method", ["eagle", "eagle2"])
-def test_greedy_output_equals_transformers_generate(method, eagle_head_dir):
+@pytest.mark.parametrize(("method", "options"), [
+    ("eagle", {}), ("eagle2", {}),  # the CPU defaults: one draft node
+    ("eagle", {"choices": GPU_CHOICES}), ("eagle2", {"total_tokens": 8, "depth": 4, "top_k": 2})],
+    ids=["eagle", "eagle2", "eagle-tree", "eagle2-tree"])
+def test_greedy_output_equals_transformers_generate(method, options, eagle_head_dir):
     reference = specula.load(STORIES, method="vanilla", dtype="float32")
-    speculator = specula.load(STORIES, method=method, draft=eagle_head_dir, dtype="float32")
+    speculator = specula.load(STORIES, method=method, draft=eagle_head_dir, dtype="float32", **options)
     accepted = 0
     for prompt in STORY_PROMPTS:
         ids = reference.encode(prompt)

@@ -25,6 +25,12 @@ def test_default_target_is_the_chat_model_from_the_gguf(smollm2):
     assert smollm2.conversions == [default_target()]
 
 
+def test_no_target_given_means_the_bundled_chat_model(smollm2):
+    import specula
+
+    assert specula.load(None, profile=False).target.name == smollm2.speculator.target.name
+
+
 def test_second_load_reads_the_cache_without_dequantizing(smollm2, monkeypatch):
     def must_not_run(*args, **kwargs):
         raise AssertionError("converted again")
