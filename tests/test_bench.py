@@ -700,3 +700,25 @@ def test_generate_takes_profile_defaults_under_explicit_options(tmp_path, monkey
     assert specula.load(STORIES, method="pld").drafter.num_tokens == 2
     assert specula.load(STORIES, method="pld", num_tokens=7).drafter.num_tokens == 7
     assert specula.load(STORIES, method="pld", profile=False).drafter.num_tokens != 2
+
+
+def test_tree_sweep_prints_every_setting_against_the_first_and_refuses_bad_settings(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import STORIES, STORY_PROMPTS
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in STORY_PROMPTS[:2]))
+    script = Path(__file__).resolve().parents[1] / "scripts" / "tree_sweep.py"
+    common = [sys.executable, str(script), "--target", str(STORIES), "--prompts", str(prompts), "--max-new-tokens", "8"]
+    run = subprocess.run([*common, "vanilla", 'pld={"num_tokens": 3}'], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert len(lines) == 2 and "1.00x" in lines[0] and "tau 1.00" in lines[0]
+    assert 'pld={"num_tokens": 3}' in lines[1] and "tokens/s" in lines[1]
+    run = subprocess.run([*common, "vanilla", 'pld={"num_tokens": 0}'], capture_output=True, text=True)
+    assert run.returncode == 2 and len(run.stderr.splitlines()) == 1 and "Traceback" not in run.stderr
+    prompts.write_text('{"text": "no prompt field"}\n')
+    run = subprocess.run([*common, "vanilla"], capture_output=True, text=True)
+    assert run.returncode == 2 and "needs a non-empty 'prompt' string" in run.stderr
