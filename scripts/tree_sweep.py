@@ -20,8 +20,8 @@ import sys
 import time
 
 import specula
+from specula.certify import read_prompts
 from specula.errors import SpeculaError
-from specula.jsonl import json_lines
 
 
 def parse_setting(text: str) -> tuple[str, dict]:
@@ -35,22 +35,6 @@ def parse_setting(text: str) -> tuple[str, dict]:
     if not isinstance(value, dict):
         raise SpeculaError(f"setting {text!r}: the options must be a JSON object")
     return method, value
-
-
-def read_prompts(path: str) -> list[str]:
-    try:
-        with open(path, encoding="utf-8") as lines:
-            records = list(json_lines(lines, lambda number: f"{path} line {number}"))
-    except (OSError, UnicodeDecodeError) as err:
-        raise SpeculaError(f"cannot read {path}: {err}") from None
-    prompts = []
-    for _, where, record in records:
-        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str) or not record["prompt"]:
-            raise SpeculaError(f"{where}: needs a non-empty 'prompt' string")
-        prompts.append(record["prompt"])
-    if not prompts:
-        raise SpeculaError(f"{path}: no prompts")
-    return prompts
 
 
 def main(argv: list[str] | None = None) -> int:

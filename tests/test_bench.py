@@ -721,4 +721,4 @@ def test_tree_sweep_prints_every_setting_against_the_first_and_refuses_bad_setti
     assert run.returncode == 2 and len(run.stderr.splitlines()) == 1 and "Traceback" not in run.stderr
     prompts.write_text('{"text": "no prompt field"}\n')
     run = subprocess.run([*common, "vanilla"], capture_output=True, text=True)
-    assert run.returncode == 2 and "needs a non-empty 'prompt' string" in run.stderr
+    assert run.returncode == 2 and "expected an object with a non-empty string 'prompt'" in run.stderr
