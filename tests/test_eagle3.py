@@ -144,3 +144,35 @@ def test_eagle3_needs_a_head_and_rejects_a_head_of_another_kind(tmp_path):
     eagle_head = Path(__file__).parent / "data" / "eagle-stories260k"
     with pytest.raises(SpeculaError, match="not an EAGLE-3 head"):
         specula.load(STORIES, method="eagle3", draft=eagle_head, dtype="float32")
+
+
+def test_fine_tuning_starts_from_the_given_head_and_keeps_its_vocabulary(stories_target, eagle3_samples,
+                                                                           eagle3_head_dir, tmp_path):
+    from specula.training.eagle3_trainer import Eagle3TrainOptions, train_eagle3
+    from specula.training.loop import TrainConfig
+
+    # A learning rate so small that the weights cannot move visibly: what comes out is what went in.
+    config = TrainConfig(epochs=1, batch_size=4, lr=1e-12, warmup_steps=1, save_every=1000)
+    options = Eagle3TrainOptions(draft_vocab_size=64, steps=2, eval_samples=2, tau_prompts=1, init=eagle3_head_dir)
+    train_eagle3(stories_target, eagle3_samples[:8], eagle3_samples[16:18], tmp_path, config, options,
+                 log=lambda _: None)
+    start, tuned = Eagle3Head.from_pretrained(eagle3_head_dir), Eagle3Head.from_pretrained(tmp_path)
+    assert tuned.draft_vocab_size == 256 and torch.equal(tuned.d2t, start.d2t)  # the head's, not 64 new ones
+    assert tuned.feature_layers == start.feature_layers == list(STORY_LAYERS)
+    for (name, value), (_, expected) in zip(tuned.state_dict().items(), start.state_dict().items(), strict=True):
+        torch.testing.assert_close(value.float(), expected.float(), atol=1e-6, rtol=0, msg=name)
+
+
+def test_fine_tuning_refuses_settings_that_contradict_the_head(capfd, eagle3_head_dir, tmp_path):
+    from specula.cli import main
+
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"text": "Once upon a time."}) + "\n")
+    base = ["train", "eagle3", "--target", str(STORIES), "--data", str(data), "--out", str(tmp_path / "out"),
+            "--init", str(eagle3_head_dir)]
+    for extra, message in ((["--draft-vocab-size", "100"], "--draft-vocab-size 100 differs from the --init "
+                                                           "head's 256"),
+                           (["--feature-layers", "1,2,3"], "--feature-layers 1,2,3 differs")):
+        assert main(base + extra) == 2
+        err = capfd.readouterr().err
+        assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err

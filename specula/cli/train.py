@@ -18,6 +18,7 @@ from transformers import AutoConfig
 from specula.cli.common import DTYPE_CHOICES, device_name, number_list, positive_int
 from specula.drafters.medusa import CHOICES_FILE, check_heads_fit
 from specula.errors import SpeculaError
+from specula.heads.eagle3_head import Eagle3Head
 from specula.heads.eagle_head import EagleHead
 from specula.heads.ldlp import head_fingerprint
 from specula.heads.medusa_head import MedusaHeads
@@ -118,12 +119,16 @@ def add_train_eagle3_parser(trainers: argparse._SubParsersAction) -> None:
     p = trainers.add_parser("eagle3", help="train an EAGLE-3 head (training-time test) by self-distillation",
                             description="Train an EAGLE-3 draft head for a target; it serves --method eagle3.")
     add_data_arguments(p)
-    p.add_argument("--draft-vocab-size", type=positive_int, default=Eagle3TrainOptions.draft_vocab_size,
-                   metavar="N", help="most frequent response tokens the head predicts (default: %(default)s)")
+    p.add_argument("--draft-vocab-size", type=positive_int, metavar="N",
+                   help=f"most frequent response tokens the head predicts (default: "
+                        f"{Eagle3TrainOptions.draft_vocab_size}; with --init the head's own)")
     p.add_argument("--feature-layers", type=_layer_list, metavar="I,J,K",
                    help="target layers whose inputs are fused (default: 2,N//2,N-3; N means the final hidden)")
     p.add_argument("--ttt-steps", type=positive_int, default=DEFAULT_STEPS, metavar="K",
                    help="simulated draft steps per sample (default: %(default)s)")
+    p.add_argument("--init", type=Path, metavar="HEAD_DIR",
+                   help="fine-tune this EAGLE-3 head (keeping its draft vocabulary and fused layers) instead of "
+                        "training a fresh one, e.g. on sampled answers for a head trained on greedy ones")
     p.set_defaults(handler=run_train_eagle3)
 
 
@@ -139,9 +144,20 @@ def _layer_list(text: str) -> tuple[int, ...]:
 
 def run_train_eagle3(args: argparse.Namespace) -> int:
     config = AutoConfig.from_pretrained(check_model_dir(args.target, "target"), local_files_only=True)
-    request = feature_request(config, args.feature_layers)
+    feature_layers, draft_vocab_size = args.feature_layers, args.draft_vocab_size or Eagle3TrainOptions.draft_vocab_size
+    if args.init is not None:
+        # Before the target loads and data is regenerated: the head decides which features to cache.
+        start = Eagle3Head.from_pretrained(args.init, num_target_layers=config.num_hidden_layers)
+        if feature_layers is not None and list(feature_layers) != start.feature_layers:
+            raise SpeculaError(f"--feature-layers {','.join(map(str, feature_layers))} differs from the --init "
+                               f"head's {','.join(map(str, start.feature_layers))}")
+        if args.draft_vocab_size is not None and args.draft_vocab_size != start.draft_vocab_size:
+            raise SpeculaError(f"--draft-vocab-size {args.draft_vocab_size} differs from the --init head's "
+                               f"{start.draft_vocab_size}")
+        feature_layers, draft_vocab_size = tuple(start.feature_layers), start.draft_vocab_size
+    request = feature_request(config, feature_layers)
     target, train_set, eval_set, train_config = training_inputs(args, request)
-    options = Eagle3TrainOptions(args.draft_vocab_size, args.feature_layers, args.ttt_steps)
+    options = Eagle3TrainOptions(draft_vocab_size, feature_layers, args.ttt_steps, init=args.init)
     train_eagle3(target, train_set, eval_set, args.out, train_config, options, resume=args.resume,
                  log=lambda message: print(message, file=sys.stderr))
     print(f"EAGLE-3 head written to {args.out}", file=sys.stderr)

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from specula.drafters.chain import chain_acceptance
+from specula.drafters.eagle import check_head_fits
 from specula.errors import SpeculaError
 from specula.heads.eagle3_head import Eagle3Head, default_feature_layers, fused_feature_request
 from specula.target import FeatureRequest, Target
@@ -36,14 +37,24 @@ def choose_draft_vocab(dataset, vocab_size: int, draft_vocab_size: int) -> tuple
     """(sorted target ids [Vd], share of response tokens they cover) from a dataset's response tokens."""
     if not 1 <= draft_vocab_size <= vocab_size:
         raise SpeculaError(f"draft vocabulary size must be in [1, {vocab_size}], got {draft_vocab_size}")
+    counts = response_token_counts(dataset, vocab_size)
+    # Stable sort of -count keeps lower ids first among equal counts (including never-seen tokens).
+    order = torch.sort(-counts, stable=True).indices[:draft_vocab_size]
+    return torch.sort(order).values, coverage_of(counts, order)
+
+
+def response_token_counts(dataset, vocab_size: int) -> torch.Tensor:
+    """int64 [V]: how often each token id occurs in the dataset's responses (loss_mask positions)."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for index in range(len(dataset)):
         item = dataset[index]
         counts += torch.bincount(item["input_ids"][item["loss_mask"].bool()], minlength=vocab_size)
-    # Stable sort of -count keeps lower ids first among equal counts (including never-seen tokens).
-    order = torch.sort(-counts, stable=True).indices[:draft_vocab_size]
-    coverage = float(counts[order].sum()) / max(int(counts.sum()), 1)
-    return torch.sort(order).values, coverage
+    return counts
+
+
+def coverage_of(counts: torch.Tensor, ids: torch.Tensor) -> float:
+    """Share of the counted response tokens whose id is in ``ids`` [Vd]."""
+    return float(counts[ids.cpu()].sum()) / max(int(counts.sum()), 1)
 
 
 def eagle3_loss(target: Target, steps: int = DEFAULT_STEPS, decay: float = STEP_DECAY):
@@ -103,6 +114,7 @@ class Eagle3TrainOptions:
     steps: int = DEFAULT_STEPS
     eval_samples: int = 16
     tau_prompts: int = 4
+    init: Path | None = None  # start from this head (its draft vocabulary and fused layers) instead of a fresh one
 
 
 def feature_request(target_config, feature_layers: tuple[int, ...] | None) -> FeatureRequest:
@@ -116,15 +128,27 @@ def feature_request(target_config, feature_layers: tuple[int, ...] | None) -> Fe
 
 def train_eagle3(target: Target, train_set, eval_set, out: Path, config: TrainConfig,
                  options: Eagle3TrainOptions = Eagle3TrainOptions(), resume: bool = False, log=print) -> list[dict]:
-    """Train a fresh EAGLE-3 head for ``target`` on cached feature samples; writes it to ``out``."""
+    """Train an EAGLE-3 head for ``target`` on cached feature samples; writes it to ``out``.
+
+    The head starts fresh, or from ``options.init`` (fine-tuning on new data, e.g. sampled answers for a head
+    trained on greedy ones); a head started from keeps its draft vocabulary and fused layers.
+    """
     torch.manual_seed(config.seed)
     vocab_size = int(target.vocab_size)
-    draft_vocab_size = min(options.draft_vocab_size, vocab_size)
-    draft_vocab, coverage = choose_draft_vocab(train_set, vocab_size, draft_vocab_size)
+    if options.init is not None:
+        head = Eagle3Head.from_pretrained(options.init, dtype=torch.float32, device=target.device,
+                                          num_target_layers=target.config.num_hidden_layers)
+        check_head_fits(head, target)
+        draft_vocab_size = head.draft_vocab_size
+        coverage = coverage_of(response_token_counts(train_set, vocab_size), head.target_vocab_ids())
+        log(f"starting from the head in {options.init}")
+    else:
+        draft_vocab_size = min(options.draft_vocab_size, vocab_size)
+        draft_vocab, coverage = choose_draft_vocab(train_set, vocab_size, draft_vocab_size)
+        head = Eagle3Head.for_target(target.config, None if draft_vocab_size == vocab_size else draft_vocab,
+                                     list(options.feature_layers) if options.feature_layers else None)
+        head = head.float().to(target.device)
     log(f"draft vocabulary: {draft_vocab_size} of {vocab_size} tokens, covering {coverage:.2%} of response tokens")
-    head = Eagle3Head.for_target(target.config, None if draft_vocab_size == vocab_size else draft_vocab,
-                                 list(options.feature_layers) if options.feature_layers else None)
-    head = head.float().to(target.device)
 
     def evaluate(model: Eagle3Head, epoch: int) -> dict:
         subset = [eval_set[i] for i in range(min(len(eval_set), options.eval_samples))]
