@@ -18,7 +18,7 @@ from transformers import AutoConfig
 from specula.cli.common import DTYPE_CHOICES, device_name, number_list, positive_int
 from specula.drafters.medusa import CHOICES_FILE, check_heads_fit
 from specula.errors import SpeculaError
-from specula.heads.eagle3_head import Eagle3Head
+from specula.formats import load_head
 from specula.heads.eagle_head import EagleHead
 from specula.heads.ldlp import head_fingerprint
 from specula.heads.medusa_head import MedusaHeads
@@ -147,7 +147,7 @@ def run_train_eagle3(args: argparse.Namespace) -> int:
     feature_layers, draft_vocab_size = args.feature_layers, args.draft_vocab_size or Eagle3TrainOptions.draft_vocab_size
     if args.init is not None:
         # Before the target loads and data is regenerated: the head decides which features to cache.
-        start = Eagle3Head.from_pretrained(args.init, num_target_layers=config.num_hidden_layers)
+        start = load_head(args.init, num_target_layers=config.num_hidden_layers)
         if feature_layers is not None and list(feature_layers) != start.feature_layers:
             raise SpeculaError(f"--feature-layers {','.join(map(str, feature_layers))} differs from the --init "
                                f"head's {','.join(map(str, start.feature_layers))}")

@@ -24,6 +24,7 @@ import torch
 from specula.drafters.chain import chain_acceptance
 from specula.drafters.eagle import check_head_fits
 from specula.errors import SpeculaError
+from specula.formats import load_head
 from specula.heads.eagle3_head import Eagle3Head, default_feature_layers, fused_feature_request
 from specula.target import FeatureRequest, Target
 from specula.training.eagle_trainer import eagle2_tau
@@ -130,14 +131,15 @@ def train_eagle3(target: Target, train_set, eval_set, out: Path, config: TrainCo
                  options: Eagle3TrainOptions = Eagle3TrainOptions(), resume: bool = False, log=print) -> list[dict]:
     """Train an EAGLE-3 head for ``target`` on cached feature samples; writes it to ``out``.
 
-    The head starts fresh, or from ``options.init`` (fine-tuning on new data, e.g. sampled answers for a head
-    trained on greedy ones); a head started from keeps its draft vocabulary and fused layers.
+    The head starts fresh, or from ``options.init`` in either layout `specula.formats` reads (fine-tuning on new
+    data, e.g. sampled answers for a head trained on greedy ones); such a head keeps its draft vocabulary and
+    fused layers.
     """
     torch.manual_seed(config.seed)
     vocab_size = int(target.vocab_size)
     if options.init is not None:
-        head = Eagle3Head.from_pretrained(options.init, dtype=torch.float32, device=target.device,
-                                          num_target_layers=target.config.num_hidden_layers)
+        head = load_head(options.init, num_target_layers=target.config.num_hidden_layers)
+        head = head.float().to(target.device)
         check_head_fits(head, target)
         draft_vocab_size = head.draft_vocab_size
         coverage = coverage_of(response_token_counts(train_set, vocab_size), head.target_vocab_ids())
