@@ -8,8 +8,9 @@ and the heads' READMEs). Each setting is METHOD or METHOD=JSON options, e.g.
         'eagle3={"total_tokens": 2, "depth": 2, "top_k": 1}'
 
 Prompts are JSONL records with a "prompt" field; use prompts the heads never trained on. The first setting is
-the baseline of the speedup column (put vanilla first). Greedy, bundled heads, no hardware profile. Exit 2 with
-one line on bad input.
+the baseline of the speedup column (put vanilla first). Greedy unless --temperature is given (each prompt then
+decodes with the same seed in every setting), bundled heads unless a setting names a "draft" directory, no
+hardware profile. Exit 2 with one line on bad input.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--weights", default="float32")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--target", default=None, help="default: the bundled SmolLM2-135M-Instruct")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of prompt i is seed + i (with --temperature)")
     args = parser.parse_args(argv)
     try:
         prompts = read_prompts(args.prompts)
@@ -54,17 +57,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tree_sweep: {err}", file=sys.stderr)
         return 2
     totals = [[0, 0.0, 0] for _ in settings]  # new tokens, seconds, cycles
-    for prompt in prompts:
+    for number, prompt in enumerate(prompts):
         for speculator, total in zip(speculators, totals, strict=True):
             start = time.perf_counter()
-            result = speculator.generate(prompt, max_new_tokens=args.max_new_tokens)
+            try:
+                result = speculator.generate(prompt, max_new_tokens=args.max_new_tokens,
+                                             temperature=args.temperature, seed=args.seed + number)
+            except SpeculaError as err:
+                print(f"tree_sweep: {err}", file=sys.stderr)
+                return 2
             total[1] += time.perf_counter() - start
             total[0] += len(result.token_ids)
             total[2] += result.stats.cycles
     baseline = totals[0][0] / totals[0][1]
     for text, (tokens, seconds, cycles) in zip(args.settings, totals, strict=True):
-        print(f"{args.weights} {text:50s} {tokens / seconds:6.1f} tokens/s  {tokens / seconds / baseline:.2f}x  "
-              f"tau {tokens / max(cycles, 1):.2f}")
+        print(f"{args.weights} T={args.temperature:g} {text:50s} {tokens / seconds:6.1f} tokens/s  "
+              f"{tokens / seconds / baseline:.2f}x  tau {tokens / max(cycles, 1):.2f}")
     return 0
 
 

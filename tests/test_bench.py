@@ -717,6 +717,11 @@ def test_tree_sweep_prints_every_setting_against_the_first_and_refuses_bad_setti
     lines = run.stdout.splitlines()
     assert len(lines) == 2 and "1.00x" in lines[0] and "tau 1.00" in lines[0]
     assert 'pld={"num_tokens": 3}' in lines[1] and "tokens/s" in lines[1]
+    run = subprocess.run([*common, "--temperature", "1", "vanilla", "vanilla"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert [line.split()[1] for line in run.stdout.splitlines()] == ["T=1", "T=1"]
+    run = subprocess.run([*common, "--temperature", "-1", "vanilla"], capture_output=True, text=True)
+    assert run.returncode == 2 and len(run.stderr.splitlines()) == 1 and "temperature" in run.stderr, run.stderr
     run = subprocess.run([*common, "vanilla", 'pld={"num_tokens": 0}'], capture_output=True, text=True)
     assert run.returncode == 2 and len(run.stderr.splitlines()) == 1 and "Traceback" not in run.stderr
     prompts.write_text('{"text": "no prompt field"}\n')
