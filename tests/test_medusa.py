@@ -25,6 +25,7 @@ from specula.drafters.medusa import (
     build_choices,
     build_medusa_drafter,
     check_choices,
+    default_choices,
     expected_accepted,
 )
 from specula.errors import SpeculaError
@@ -218,8 +219,9 @@ def test_heads_or_trees_that_do_not_fit_are_refused(stories_target, tmp_path):
         build_medusa_drafter(stories_target, tmp_path / "fits", total_tokens=10)
     with pytest.raises(SpeculaError, match="needs --draft"):
         build_medusa_drafter(stories_target, None)
-    # The default tree is cut to the heads at hand instead.
-    assert max(map(len, build_medusa_drafter(stories_target, tmp_path / "fits").choices)) == 2
+    # Heads without a tree file get the device's default tree, cut to the heads at hand: one node on a CPU.
+    assert build_medusa_drafter(stories_target, tmp_path / "fits").choices == [[0]]
+    assert max(map(len, default_choices("cuda", 2))) == 2 and len(default_choices("cuda", 4)) == 15
 
 
 # ---------------------------------------------------------------- tree shape and alignment

@@ -14,7 +14,7 @@ parent (Medusa heads all read the same h), so the tree is the product of
 per-head top-k lists pruned to the listed paths. A heads directory may hold its
 own tree in `medusa_choices.json` (written by `specula train medusa` and
 `specula train medusa-tree` from measured head accuracies); it is used unless
-choices are given, else DEFAULT_CHOICES.
+choices are given, else the device's default (`DEFAULT_TREES`).
 
 Acceptance. Candidates are deterministic (top-k by rank), so the tree carries no
 draft distributions: the loop's Acceptor matches greedily at temperature 0 and
@@ -46,6 +46,18 @@ CHOICES_FILE = "medusa_choices.json"
 # x 96 tokens: 4-15 candidates ran at the same speed (1.6-1.7x vanilla, tau 3.0-3.4), 24 and 40 slower.
 DEFAULT_CHOICES = [[0], [1], [2], [0, 0], [0, 1], [0, 2], [1, 0], [0, 0, 0], [0, 0, 1], [0, 1, 0], [1, 0, 0],
                    [0, 0, 0, 0], [0, 0, 0, 1], [0, 0, 1, 0], [0, 1, 0, 0]]
+# The tree of heads that ship none (no medusa_choices.json), per device type. On the reference target,
+# SmolLM2-135M-Instruct, with its bundled heads (15 held-out prompts x 96 greedy tokens, interleaved, 2-core
+# AVX2 CPU) the 15-node tree ran at 0.57x vanilla in q4_1 and 0.86x in float32, one node at 1.03x and 1.16x:
+# a real chat model's heads accept too little for deep trees to pay on a CPU, as with EAGLE
+# (`specula.drafters.eagle.STATIC_TREES`).
+DEFAULT_TREES = {"cuda": DEFAULT_CHOICES, "cpu": [[0]]}
+
+
+def default_choices(device: torch.device | str, num_heads: int) -> list[list[int]]:
+    """The default tree for ``device``, cut to the heads at hand."""
+    tree = DEFAULT_TREES["cuda" if torch.device(device).type == "cuda" else "cpu"]
+    return [p for p in tree if len(p) <= num_heads]
 
 
 def check_choices(choices, num_heads: int | None = None, vocab_size: int | None = None) -> list[list[int]]:
@@ -140,9 +152,8 @@ class MedusaDrafter:
         self.features = FeatureRequest(final_hidden=True)
         self.heads = heads.to(device=target.device, dtype=target.dtype).eval().attach(target)
         quantize_every_linear(self.heads, target.weights)  # drafting follows the target's weight format
-        if choices is None:
-            # The default tree is cut to the heads at hand; a tree given explicitly must fit them.
-            choices = [p for p in DEFAULT_CHOICES if len(p) <= heads.num_heads]
+        if choices is None:  # a tree given explicitly must fit the heads; the default is cut to them
+            choices = default_choices(target.device, heads.num_heads)
         self.choices = check_choices(choices, heads.num_heads, heads.vocab_size)
         depth = torch.tensor([len(p) for p in self.choices])
         self._depth_index = (depth - 1).to(target.device)  # which head's list each node reads
