@@ -45,12 +45,17 @@ def read_format(directory: Path) -> str:
     return "speculators"
 
 
-def load_head(directory: str | Path, num_target_layers: int | None = None) -> Eagle3Head:
-    """An EAGLE-3 head from a checkpoint in either layout (``num_target_layers`` fills in default layers)."""
+def load_head(directory: str | Path, num_target_layers: int | None = None,
+              dtype: torch.dtype | None = None) -> Eagle3Head:
+    """An EAGLE-3 head from a checkpoint in either layout (``num_target_layers`` fills in default layers).
+
+    ``dtype``: the head's (default: the checkpoint's). Give the dtype it will run or train in rather than
+    casting afterwards: a cast also rounds the rotary frequencies, which a bfloat16 checkpoint does not store.
+    """
     directory = Path(directory)
     if read_format(directory) == "speculators":
-        return load_speculators(directory, num_target_layers)
-    return Eagle3Head.from_pretrained(directory, num_target_layers=num_target_layers)
+        return load_speculators(directory, num_target_layers, dtype)
+    return Eagle3Head.from_pretrained(directory, dtype=dtype, num_target_layers=num_target_layers)
 
 
 def target_embedding(target_dir: Path) -> torch.Tensor:
@@ -121,7 +126,8 @@ def save_speculators(head: Eagle3Head, out: str | Path, target_dir: str | Path,
     save_checkpoint(out, state, speculators_config(head, target_dir, speculative_tokens))
 
 
-def load_speculators(directory: Path, num_target_layers: int | None = None) -> Eagle3Head:
+def load_speculators(directory: Path, num_target_layers: int | None = None,
+                     dtype: torch.dtype | None = None) -> Eagle3Head:
     """An EAGLE-3 head from a speculators checkpoint (its stored embedding is dropped: the target's is used)."""
     config = read_config(directory, "speculators checkpoint")
     layer = config.get("transformer_layer_config")
@@ -160,7 +166,7 @@ def load_speculators(directory: Path, num_target_layers: int | None = None) -> E
         state.pop("t2d", None)
     head = Eagle3Head(head_config)
     load_checked(head, state, f"speculators checkpoint {directory}")
-    return head.to(dtype=state["fc.weight"].dtype).eval()
+    return head.to(dtype=dtype or state["fc.weight"].dtype).eval()
 
 
 def target_layer_count(target: Path | None) -> int | None:

@@ -138,8 +138,7 @@ def train_eagle3(target: Target, train_set, eval_set, out: Path, config: TrainCo
     torch.manual_seed(config.seed)
     vocab_size = int(target.vocab_size)
     if options.init is not None:
-        head = load_head(options.init, num_target_layers=target.config.num_hidden_layers)
-        head = head.float().to(target.device)
+        head = load_head(options.init, target.config.num_hidden_layers, dtype=torch.float32).to(target.device)
         check_head_fits(head, target)
         draft_vocab_size = head.draft_vocab_size
         coverage = coverage_of(response_token_counts(train_set, vocab_size), head.target_vocab_ids())
