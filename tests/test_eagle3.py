@@ -151,16 +151,32 @@ def test_fine_tuning_starts_from_the_given_head_and_keeps_its_vocabulary(stories
     from specula.training.eagle3_trainer import Eagle3TrainOptions, train_eagle3
     from specula.training.loop import TrainConfig
 
+    # Heads ship in bfloat16; fine-tuning starts from one.
+    Eagle3Head.from_pretrained(eagle3_head_dir, dtype=torch.bfloat16).save_pretrained(tmp_path / "start")
     # A learning rate so small that the weights cannot move visibly: what comes out is what went in.
     config = TrainConfig(epochs=1, batch_size=4, lr=1e-12, warmup_steps=1, save_every=1000)
-    options = Eagle3TrainOptions(draft_vocab_size=64, steps=2, eval_samples=2, tau_prompts=1, init=eagle3_head_dir)
-    train_eagle3(stories_target, eagle3_samples[:8], eagle3_samples[16:18], tmp_path, config, options,
+    options = Eagle3TrainOptions(steps=2, eval_samples=2, tau_prompts=1, init=tmp_path / "start")
+    train_eagle3(stories_target, eagle3_samples[:8], eagle3_samples[16:18], tmp_path / "tuned", config, options,
                  log=lambda _: None)
-    start, tuned = Eagle3Head.from_pretrained(eagle3_head_dir), Eagle3Head.from_pretrained(tmp_path)
-    assert tuned.draft_vocab_size == 256 and torch.equal(tuned.d2t, start.d2t)  # the head's, not 64 new ones
+    start, tuned = Eagle3Head.from_pretrained(tmp_path / "start"), Eagle3Head.from_pretrained(tmp_path / "tuned")
+    assert tuned.draft_vocab_size == 256 and torch.equal(tuned.d2t, start.d2t)  # the head's vocabulary
     assert tuned.feature_layers == start.feature_layers == list(STORY_LAYERS)
     for (name, value), (_, expected) in zip(tuned.state_dict().items(), start.state_dict().items(), strict=True):
         torch.testing.assert_close(value.float(), expected.float(), atol=1e-6, rtol=0, msg=name)
+    # Asking it for another vocabulary is refused rather than ignored.
+    with pytest.raises(SpeculaError, match="--draft-vocab-size 64 differs from the --init head's 256"):
+        train_eagle3(stories_target, eagle3_samples[:8], eagle3_samples[16:18], tmp_path / "other", config,
+                     Eagle3TrainOptions(draft_vocab_size=64, init=tmp_path / "start"), log=lambda _: None)
+
+
+def test_a_bfloat16_head_loaded_as_float32_keeps_exact_rotary_frequencies(eagle3_head_dir, tmp_path):
+    from specula.formats import load_head
+
+    Eagle3Head.from_pretrained(eagle3_head_dir, dtype=torch.bfloat16).save_pretrained(tmp_path)
+    exact = Eagle3Head.from_pretrained(eagle3_head_dir, dtype=torch.float32).rotary_emb.inv_freq
+    loaded = load_head(tmp_path, dtype=torch.float32)
+    assert loaded.fc.weight.dtype == torch.float32
+    assert torch.equal(loaded.rotary_emb.inv_freq, exact)  # not bfloat16-rounded, as a cast afterwards leaves them
 
 
 def test_fine_tuning_refuses_settings_that_contradict_the_head(capfd, eagle3_head_dir, tmp_path):
@@ -168,11 +184,14 @@ def test_fine_tuning_refuses_settings_that_contradict_the_head(capfd, eagle3_hea
 
     data = tmp_path / "data.jsonl"
     data.write_text(json.dumps({"text": "Once upon a time."}) + "\n")
-    base = ["train", "eagle3", "--target", str(STORIES), "--data", str(data), "--out", str(tmp_path / "out"),
-            "--init", str(eagle3_head_dir)]
-    for extra, message in ((["--draft-vocab-size", "100"], "--draft-vocab-size 100 differs from the --init "
-                                                           "head's 256"),
-                           (["--feature-layers", "1,2,3"], "--feature-layers 1,2,3 differs")):
+    base = ["train", "eagle3", "--target", str(STORIES), "--data", str(data), "--out", str(tmp_path / "out")]
+    eagle_head = Path(__file__).parent / "data" / "eagle-stories260k"
+    for extra, message in ((["--init", str(eagle3_head_dir), "--draft-vocab-size", "100"],
+                            "--draft-vocab-size 100 differs from the --init head's 256"),
+                           (["--init", str(eagle3_head_dir), "--feature-layers", "1,2,3"],
+                            "--feature-layers 1,2,3 differs"),
+                           (["--init", str(eagle_head)], "not an EAGLE-3 head"),
+                           (["--init", str(tmp_path / "nowhere")], "does not exist")):
         assert main(base + extra) == 2
         err = capfd.readouterr().err
         assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err

@@ -25,7 +25,14 @@ from specula.heads.medusa_head import MedusaHeads
 from specula.methods import DEFAULT_TARGET
 from specula.outputs import prepare_output_dir
 from specula.target import FeatureRequest, Target, check_model_dir
-from specula.training.eagle3_trainer import DEFAULT_STEPS, Eagle3TrainOptions, feature_request, train_eagle3
+from specula.training.eagle3_trainer import (
+    DEFAULT_STEPS,
+    DRAFT_VOCAB_SIZE,
+    Eagle3TrainOptions,
+    check_start_head,
+    feature_request,
+    train_eagle3,
+)
 from specula.training.eagle_trainer import EagleTrainOptions, train_eagle
 from specula.training.features import OnlineFeatures
 from specula.training.ldlp_trainer import MAX_DRAFT_LENGTH, PENALTY, LdlpTrainOptions, format_report, train_ldlp
@@ -120,8 +127,8 @@ def add_train_eagle3_parser(trainers: argparse._SubParsersAction) -> None:
                             description="Train an EAGLE-3 draft head for a target; it serves --method eagle3.")
     add_data_arguments(p)
     p.add_argument("--draft-vocab-size", type=positive_int, metavar="N",
-                   help=f"most frequent response tokens the head predicts (default: "
-                        f"{Eagle3TrainOptions.draft_vocab_size}; with --init the head's own)")
+                   help=f"most frequent response tokens the head predicts (default: {DRAFT_VOCAB_SIZE}; with "
+                        "--init the head's own)")
     p.add_argument("--feature-layers", type=_layer_list, metavar="I,J,K",
                    help="target layers whose inputs are fused (default: 2,N//2,N-3; N means the final hidden)")
     p.add_argument("--ttt-steps", type=positive_int, default=DEFAULT_STEPS, metavar="K",
@@ -144,20 +151,15 @@ def _layer_list(text: str) -> tuple[int, ...]:
 
 def run_train_eagle3(args: argparse.Namespace) -> int:
     config = AutoConfig.from_pretrained(check_model_dir(args.target, "target"), local_files_only=True)
-    feature_layers, draft_vocab_size = args.feature_layers, args.draft_vocab_size or Eagle3TrainOptions.draft_vocab_size
+    options = Eagle3TrainOptions(args.draft_vocab_size, args.feature_layers, args.ttt_steps, init=args.init)
+    layers = args.feature_layers
     if args.init is not None:
-        # Before the target loads and data is regenerated: the head decides which features to cache.
+        # Checked before the target loads and data is regenerated; the head decides which features to cache.
         start = load_head(args.init, num_target_layers=config.num_hidden_layers)
-        if feature_layers is not None and list(feature_layers) != start.feature_layers:
-            raise SpeculaError(f"--feature-layers {','.join(map(str, feature_layers))} differs from the --init "
-                               f"head's {','.join(map(str, start.feature_layers))}")
-        if args.draft_vocab_size is not None and args.draft_vocab_size != start.draft_vocab_size:
-            raise SpeculaError(f"--draft-vocab-size {args.draft_vocab_size} differs from the --init head's "
-                               f"{start.draft_vocab_size}")
-        feature_layers, draft_vocab_size = tuple(start.feature_layers), start.draft_vocab_size
-    request = feature_request(config, feature_layers)
+        check_start_head(start, config.hidden_size, config.vocab_size, options)
+        layers = tuple(start.feature_layers)
+    request = feature_request(config, layers)
     target, train_set, eval_set, train_config = training_inputs(args, request)
-    options = Eagle3TrainOptions(draft_vocab_size, feature_layers, args.ttt_steps, init=args.init)
     train_eagle3(target, train_set, eval_set, args.out, train_config, options, resume=args.resume,
                  log=lambda message: print(message, file=sys.stderr))
     print(f"EAGLE-3 head written to {args.out}", file=sys.stderr)

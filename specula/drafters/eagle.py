@@ -140,14 +140,13 @@ class _Nodes:
         return DraftTree(tokens, parents, draft_probs, confidences)
 
 
-def check_head_fits(head: DraftHead, target: Target) -> None:
-    """An EAGLE or EAGLE-3 head drafts for ``target`` only with its hidden size and vocabulary."""
-    if head.hidden_size != target.config.hidden_size:
-        raise SpeculaError(f"EAGLE head hidden size {head.hidden_size} does not fit the target's "
-                           f"{target.config.hidden_size}")
-    head_vocab = head.config.get("vocab_size", target.vocab_size)
-    if head_vocab != target.vocab_size:
-        raise SpeculaError(f"EAGLE head vocabulary {head_vocab} does not fit the target's {target.vocab_size}")
+def check_head_fits(head: DraftHead, hidden_size: int, vocab_size: int) -> None:
+    """An EAGLE or EAGLE-3 head drafts only for a target of its hidden size and vocabulary."""
+    if head.hidden_size != hidden_size:
+        raise SpeculaError(f"EAGLE head hidden size {head.hidden_size} does not fit the target's {hidden_size}")
+    head_vocab = head.config.get("vocab_size", vocab_size)
+    if head_vocab != vocab_size:
+        raise SpeculaError(f"EAGLE head vocabulary {head_vocab} does not fit the target's {vocab_size}")
 
 
 class EagleDrafter:
@@ -160,7 +159,7 @@ class EagleDrafter:
     def __init__(self, target: Target, head: DraftHead, dynamic: bool, name: str | None = None,
                  choices: list[list[int]] | None = None, total_tokens: int | None = None,
                  depth: int | None = None, top_k: int | None = None, budgets: dict | None = None):
-        check_head_fits(head, target)
+        check_head_fits(head, target.config.hidden_size, target.vocab_size)
         self.name = name or ("eagle2" if dynamic else "eagle")
         self.target = target
         self.head = head.to(device=target.device, dtype=target.dtype).attach(target)

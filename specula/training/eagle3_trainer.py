@@ -32,6 +32,7 @@ from specula.training.loop import TrainConfig, run_training
 
 STEP_DECAY = 0.8
 DEFAULT_STEPS = 7
+DRAFT_VOCAB_SIZE = 2048
 
 
 def choose_draft_vocab(dataset, vocab_size: int, draft_vocab_size: int) -> tuple[torch.Tensor, float]:
@@ -110,8 +111,8 @@ def eagle3_loss(target: Target, steps: int = DEFAULT_STEPS, decay: float = STEP_
 
 @dataclass(frozen=True)
 class Eagle3TrainOptions:
-    draft_vocab_size: int = 2048
-    feature_layers: tuple[int, ...] | None = None  # None: 2, N//2, N-3
+    draft_vocab_size: int | None = None  # None: DRAFT_VOCAB_SIZE, or the init head's own
+    feature_layers: tuple[int, ...] | None = None  # None: 2, N//2, N-3, or the init head's own
     steps: int = DEFAULT_STEPS
     eval_samples: int = 16
     tau_prompts: int = 4
@@ -127,6 +128,17 @@ def feature_request(target_config, feature_layers: tuple[int, ...] | None) -> Fe
     return FeatureRequest(final_hidden=True, layer_inputs=fused_feature_request(layers, count).layer_inputs)
 
 
+def check_start_head(head: Eagle3Head, hidden_size: int, vocab_size: int, options: Eagle3TrainOptions) -> None:
+    """A head to fine-tune must fit the target, and the options may not ask for another vocabulary or layers."""
+    check_head_fits(head, hidden_size, vocab_size)
+    if options.feature_layers is not None and list(options.feature_layers) != head.feature_layers:
+        raise SpeculaError(f"--feature-layers {','.join(map(str, options.feature_layers))} differs from the --init "
+                           f"head's {','.join(map(str, head.feature_layers))}")
+    if options.draft_vocab_size is not None and options.draft_vocab_size != head.draft_vocab_size:
+        raise SpeculaError(f"--draft-vocab-size {options.draft_vocab_size} differs from the --init head's "
+                           f"{head.draft_vocab_size}")
+
+
 def train_eagle3(target: Target, train_set, eval_set, out: Path, config: TrainConfig,
                  options: Eagle3TrainOptions = Eagle3TrainOptions(), resume: bool = False, log=print) -> list[dict]:
     """Train an EAGLE-3 head for ``target`` on cached feature samples; writes it to ``out``.
@@ -139,12 +151,12 @@ def train_eagle3(target: Target, train_set, eval_set, out: Path, config: TrainCo
     vocab_size = int(target.vocab_size)
     if options.init is not None:
         head = load_head(options.init, target.config.num_hidden_layers, dtype=torch.float32).to(target.device)
-        check_head_fits(head, target)
+        check_start_head(head, target.config.hidden_size, vocab_size, options)
         draft_vocab_size = head.draft_vocab_size
         coverage = coverage_of(response_token_counts(train_set, vocab_size), head.target_vocab_ids())
         log(f"starting from the head in {options.init}")
     else:
-        draft_vocab_size = min(options.draft_vocab_size, vocab_size)
+        draft_vocab_size = min(options.draft_vocab_size or DRAFT_VOCAB_SIZE, vocab_size)
         draft_vocab, coverage = choose_draft_vocab(train_set, vocab_size, draft_vocab_size)
         head = Eagle3Head.for_target(target.config, None if draft_vocab_size == vocab_size else draft_vocab,
                                      list(options.feature_layers) if options.feature_layers else None)
