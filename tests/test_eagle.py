@@ -213,3 +213,29 @@ def test_resumed_training_ends_with_the_same_weights(stories_target, stories_sam
     split = EagleHead.from_pretrained(tmp_path / "split")
     for name, tensor in whole.state_dict().items():
         torch.testing.assert_close(split.state_dict()[name], tensor, rtol=0, atol=0)
+
+
+def test_fine_tuning_starts_from_the_given_head(stories_target, stories_samples, eagle_head_dir, tmp_path, capfd):
+    from specula.cli import main
+    from specula.training.eagle_trainer import EagleTrainOptions, train_eagle
+    from specula.training.loop import TrainConfig
+
+    EagleHead.from_pretrained(eagle_head_dir, dtype=torch.bfloat16).save_pretrained(tmp_path / "start")
+    # A learning rate so small that the weights cannot move visibly: what comes out is what went in.
+    config = TrainConfig(epochs=1, batch_size=4, lr=1e-12, warmup_steps=1, save_every=1000)
+    train_eagle(stories_target, stories_samples[:8], stories_samples[16:18], tmp_path / "tuned", config,
+                EagleTrainOptions(init=tmp_path / "start"), log=lambda _: None)
+    start, tuned = EagleHead.from_pretrained(tmp_path / "start"), EagleHead.from_pretrained(tmp_path / "tuned")
+    for (name, value), (_, expected) in zip(tuned.state_dict().items(), start.state_dict().items(), strict=True):
+        torch.testing.assert_close(value.float(), expected.float(), atol=1e-6, rtol=0, msg=name)
+    # Another number of layers is refused, by the API and, before the target loads, by the command.
+    with pytest.raises(SpeculaError, match="--num-layers 2 differs from the --init head's 1"):
+        train_eagle(stories_target, stories_samples[:8], [], tmp_path / "other", config,
+                    EagleTrainOptions(num_layers=2, init=tmp_path / "start"), log=lambda _: None)
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"text": "Once upon a time."}) + "\n")
+    capfd.readouterr()  # the progress bars of the runs above
+    assert main(["train", "eagle", "--target", str(STORIES), "--data", str(data), "--out", str(tmp_path / "cli"),
+                 "--init", str(tmp_path / "start"), "--num-layers", "2"]) == 2
+    err = capfd.readouterr().err
+    assert "--num-layers 2 differs" in err and len(err.strip().splitlines()) == 1, err

@@ -33,7 +33,7 @@ from specula.training.eagle3_trainer import (
     feature_request,
     train_eagle3,
 )
-from specula.training.eagle_trainer import EagleTrainOptions, train_eagle
+from specula.training.eagle_trainer import EagleTrainOptions, check_start_eagle_head, train_eagle
 from specula.training.features import OnlineFeatures
 from specula.training.ldlp_trainer import MAX_DRAFT_LENGTH, PENALTY, LdlpTrainOptions, format_report, train_ldlp
 from specula.training.loop import TrainConfig
@@ -110,13 +110,21 @@ def add_train_eagle(trainers: argparse._SubParsersAction) -> None:
     p = trainers.add_parser("eagle", help="train an EAGLE head (EAGLE-1 paper) by self-distillation",
                             description="Train an EAGLE draft head for a target; it serves eagle and eagle2.")
     add_data_arguments(p)
-    p.add_argument("--num-layers", type=positive_int, default=1, help="decoder layers in the head")
+    p.add_argument("--num-layers", type=positive_int, help="decoder layers in the head (default: 1; with --init "
+                                                           "the head's own)")
+    p.add_argument("--init", type=Path, metavar="HEAD_DIR",
+                   help="fine-tune this EAGLE head instead of training a fresh one, e.g. on sampled answers for a "
+                        "head trained on greedy ones")
     p.set_defaults(handler=run_train_eagle)
 
 
 def run_train_eagle(args: argparse.Namespace) -> int:
+    options = EagleTrainOptions(num_layers=args.num_layers, init=args.init)
+    if args.init is not None:  # checked before the target loads and data is regenerated
+        config = AutoConfig.from_pretrained(check_model_dir(args.target, "target"), local_files_only=True)
+        check_start_eagle_head(EagleHead.from_pretrained(args.init), config.hidden_size, config.vocab_size, options)
     target, train_set, eval_set, config = training_inputs(args, FeatureRequest(final_hidden=True))
-    train_eagle(target, train_set, eval_set, args.out, config, EagleTrainOptions(num_layers=args.num_layers),
+    train_eagle(target, train_set, eval_set, args.out, config, options,
                 resume=args.resume, log=lambda message: print(message, file=sys.stderr))
     print(f"EAGLE head written to {args.out}", file=sys.stderr)
     return 0

@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from specula.drafters.chain import chain_acceptance
-from specula.drafters.eagle import EagleDrafter
+from specula.drafters.eagle import EagleDrafter, check_head_fits
+from specula.errors import SpeculaError
 from specula.heads.eagle_head import EagleHead
 from specula.target import Target
 from specula.training.evaluation import mean_tau
@@ -73,17 +74,34 @@ def eagle2_tau(head: EagleHead, target: Target, samples, max_new_tokens: int = 4
 
 @dataclass(frozen=True)
 class EagleTrainOptions:
-    num_layers: int = 1
+    num_layers: int | None = None  # None: 1, or the init head's own
     eval_samples: int = 16  # held-out samples for the n-alpha rates
     tau_prompts: int = 4  # of those, prompts decoded with eagle2 for tau
+    init: Path | None = None  # start from this head instead of a fresh one
+
+
+def check_start_eagle_head(head: EagleHead, hidden_size: int, vocab_size: int, options: EagleTrainOptions) -> None:
+    """A head to fine-tune must fit the target, and the options may not ask for another number of layers."""
+    check_head_fits(head, hidden_size, vocab_size)
+    if options.num_layers is not None and options.num_layers != len(head.layers):
+        raise SpeculaError(f"--num-layers {options.num_layers} differs from the --init head's {len(head.layers)}")
 
 
 def train_eagle(target: Target, train_set, eval_set, out: Path, config: TrainConfig,
                 options: EagleTrainOptions = EagleTrainOptions(), resume: bool = False,
                 log=print) -> list[dict]:
-    """Train a fresh EAGLE head for ``target`` on cached feature samples; writes it to ``out``."""
+    """Train an EAGLE head for ``target`` on cached feature samples; writes it to ``out``.
+
+    The head starts fresh or from ``options.init`` (fine-tuning; built straight in float32, so its rotary
+    frequencies are exact).
+    """
     torch.manual_seed(config.seed)
-    head = EagleHead.for_target(target.config, num_layers=options.num_layers).float().to(target.device)
+    if options.init is not None:
+        head = EagleHead.from_pretrained(options.init, dtype=torch.float32, device=target.device)
+        check_start_eagle_head(head, target.config.hidden_size, target.vocab_size, options)
+        log(f"starting from the head in {options.init}")
+    else:
+        head = EagleHead.for_target(target.config, num_layers=options.num_layers or 1).float().to(target.device)
 
     def evaluate(model: EagleHead, epoch: int) -> dict:
         subset = [eval_set[i] for i in range(min(len(eval_set), options.eval_samples))]
