@@ -121,8 +121,9 @@ def add_train_eagle(trainers: argparse._SubParsersAction) -> None:
 def run_train_eagle(args: argparse.Namespace) -> int:
     options = EagleTrainOptions(num_layers=args.num_layers, init=args.init)
     if args.init is not None:  # checked before the target loads and data is regenerated
-        config = AutoConfig.from_pretrained(check_model_dir(args.target, "target"), local_files_only=True)
-        check_start_eagle_head(EagleHead.from_pretrained(args.init), config.hidden_size, config.vocab_size, options)
+        target_config = AutoConfig.from_pretrained(check_model_dir(args.target, "target"), local_files_only=True)
+        check_start_eagle_head(EagleHead.from_pretrained(args.init), target_config.hidden_size,
+                               target_config.vocab_size, options)
     target, train_set, eval_set, config = training_inputs(args, FeatureRequest(final_hidden=True))
     train_eagle(target, train_set, eval_set, args.out, config, options,
                 resume=args.resume, log=lambda message: print(message, file=sys.stderr))
