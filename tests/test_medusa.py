@@ -367,6 +367,43 @@ def test_typical_acceptance_keeps_the_deepest_typical_path():
         make_acceptor("fast")
 
 
+def test_fine_tuning_starts_from_the_given_heads(stories_target, stories_samples, tmp_path, capfd):
+    from specula.cli import main
+
+    heads = MedusaHeads.for_target(stories_target, num_heads=2, num_layers=1, shared_lm_head=True)
+    with torch.no_grad():  # blocks that are not the identity, so a fresh start would show
+        for parameter in heads.parameters():
+            parameter.normal_(0, 0.02)
+    heads.to(torch.bfloat16).save_pretrained(tmp_path / "start")
+    # A learning rate so small that the weights cannot move visibly: what comes out is what went in, in the
+    # --init heads' shape and layout, though the options name neither.
+    config = TrainConfig(epochs=1, batch_size=4, lr=1e-12, warmup_steps=1, save_every=1000)
+    train_medusa(stories_target, stories_samples[:8], stories_samples[16:18], tmp_path / "tuned", config,
+                 MedusaTrainOptions(init=tmp_path / "start"), log=lambda _: None)
+    start, tuned = MedusaHeads.from_pretrained(tmp_path / "start"), MedusaHeads.from_pretrained(tmp_path / "tuned")
+    assert (tuned.num_heads, tuned.num_layers, tuned.shared_lm_head) == (2, 1, True)
+    for (name, value), (_, expected) in zip(tuned.state_dict().items(), start.state_dict().items(), strict=True):
+        torch.testing.assert_close(value.float(), expected.float(), atol=1e-6, rtol=0, msg=name)
+    # Another shape is refused, by the API and, before the target loads, by the command.
+    with pytest.raises(SpeculaError, match="--num-heads 3 differs from the --init heads' 2"):
+        train_medusa(stories_target, stories_samples[:8], [], tmp_path / "other", config,
+                     MedusaTrainOptions(num_heads=3, init=tmp_path / "start"), log=lambda _: None)
+    MedusaHeads(64, 512, num_heads=2).save_pretrained(tmp_path / "own")
+    with pytest.raises(SpeculaError, match="--shared-lm-head asks for heads that share"):
+        train_medusa(stories_target, stories_samples[:8], [], tmp_path / "other", config,
+                     MedusaTrainOptions(shared_lm_head=True, init=tmp_path / "own"), log=lambda _: None)
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"text": "Once upon a time."}) + "\n")
+    capfd.readouterr()  # the progress bars of the runs above
+    for flags, message in ((["--num-layers", "2"], "--num-layers 2 differs"),
+                           (["--num-heads", "1"], "--num-heads 1 differs")):
+        assert main(["train", "medusa", "--target", str(STORIES), "--data", str(data), "--out",
+                     str(tmp_path / "cli"), "--init", str(tmp_path / "start"), *flags]) == 2
+        err = capfd.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "cli").exists()
+
+
 # ---------------------------------------------------------------- command line
 
 

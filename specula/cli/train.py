@@ -37,7 +37,15 @@ from specula.training.eagle_trainer import EagleTrainOptions, check_start_eagle_
 from specula.training.features import OnlineFeatures
 from specula.training.ldlp_trainer import MAX_DRAFT_LENGTH, PENALTY, LdlpTrainOptions, format_report, train_ldlp
 from specula.training.loop import TrainConfig
-from specula.training.medusa_trainer import DECAY, TREE_NODES, TREE_TOP_K, MedusaTrainOptions, train_medusa, write_tree
+from specula.training.medusa_trainer import (
+    DECAY,
+    TREE_NODES,
+    TREE_TOP_K,
+    MedusaTrainOptions,
+    check_start_heads,
+    train_medusa,
+    write_tree,
+)
 from specula.training.recipe import DataOptions, feature_sets
 from specula.training.records import read_records
 from specula.training.regeneration import prepare_samples
@@ -180,8 +188,9 @@ def add_train_medusa_parser(trainers: argparse._SubParsersAction) -> None:
     p = trainers.add_parser("medusa", help="train Medusa heads (Medusa-1, frozen target) by self-distillation",
                             description="Train Medusa heads for a target; they serve --method medusa.")
     add_data_arguments(p)
-    p.add_argument("--num-heads", type=positive_int, default=4, help="heads, i.e. tree depth (default: %(default)s)")
-    p.add_argument("--num-layers", type=int, default=1, help="residual blocks per head (default: %(default)s)")
+    p.add_argument("--num-heads", type=positive_int, help="heads, i.e. tree depth (default: 4; with --init the "
+                                                         "heads' own)")
+    p.add_argument("--num-layers", type=int, help="residual blocks per head (default: 1; with --init the heads' own)")
     p.add_argument("--decay", type=float, default=DECAY,
                    help="loss weight of head k is decay^(k-1) (default: %(default)s)")
     p.add_argument("--tree-nodes", type=positive_int, default=TREE_NODES,
@@ -189,22 +198,29 @@ def add_train_medusa_parser(trainers: argparse._SubParsersAction) -> None:
     p.add_argument("--shared-lm-head", action="store_true",
                    help="project through the target's frozen LM head instead of a trained copy per head: only "
                         "the residual blocks are trained and stored (small files with a large vocabulary; "
-                        "published Medusa loaders do not read this layout)")
+                        "published Medusa loaders do not read this layout; with --init the heads' own)")
+    p.add_argument("--init", type=Path, metavar="HEAD_DIR",
+                   help="fine-tune these Medusa heads (keeping their count, blocks and LM-head layout) instead of "
+                        "training fresh ones, e.g. on sampled answers for heads trained on greedy ones")
     p.set_defaults(handler=run_train_medusa)
     add_medusa_tree_parser(trainers)
 
 
 def run_train_medusa(args: argparse.Namespace) -> int:
-    if args.num_layers < 0:
+    if args.num_layers is not None and args.num_layers < 0:
         raise SpeculaError(f"--num-layers must be >= 0, got {args.num_layers}")
-    if args.shared_lm_head and args.num_layers < 1:
+    if args.shared_lm_head and args.num_layers == 0:
         raise SpeculaError("--shared-lm-head needs --num-layers >= 1 (the blocks are all that is trained)")
     if not 0.0 < args.decay <= 1.0:
         raise SpeculaError(f"--decay must be in (0, 1], got {args.decay}")
-    target, train_set, eval_set, config = training_inputs(args, FeatureRequest(final_hidden=True))
     options = MedusaTrainOptions(num_heads=args.num_heads, num_layers=args.num_layers, decay=args.decay,
                                  tree_nodes=args.tree_nodes, base_model_name_or_path=str(args.target),
-                                 shared_lm_head=args.shared_lm_head)
+                                 shared_lm_head=args.shared_lm_head, init=args.init)
+    if args.init is not None:  # checked before the target loads and data is regenerated
+        target_config = AutoConfig.from_pretrained(check_model_dir(args.target, "target"), local_files_only=True)
+        check_start_heads(MedusaHeads.from_pretrained(args.init), target_config.hidden_size,
+                          target_config.vocab_size, options)
+    target, train_set, eval_set, config = training_inputs(args, FeatureRequest(final_hidden=True))
     train_medusa(target, train_set, eval_set, args.out, config, options, resume=args.resume,
                  log=lambda message: print(message, file=sys.stderr))
     print(f"Medusa heads written to {args.out}", file=sys.stderr)
@@ -241,7 +257,7 @@ def run_medusa_tree(args: argparse.Namespace) -> int:
     records = read_records(args.data)[: args.samples]
     target = Target.load(args.target, dtype=args.dtype, device=args.device)
     heads = MedusaHeads.from_pretrained(args.draft, dtype=target.dtype, device=target.device).attach(target)
-    check_heads_fit(target, heads)
+    check_heads_fit(heads, target.config.hidden_size, target.vocab_size)
     log = lambda message: print(message, file=sys.stderr)  # noqa: E731
     samples = prepare_samples(target, records, cache_dir=args.cache_dir, regenerate=not args.no_regenerate,
                               max_new_tokens=args.gen_max_new_tokens, batch_size=args.gen_batch_size,

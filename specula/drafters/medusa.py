@@ -133,13 +133,12 @@ def read_choices_file(path: str | Path) -> list[list[int]]:
     return check_choices(data.get("choices") if isinstance(data, dict) else data)
 
 
-def check_heads_fit(target: Target, heads: MedusaHeads) -> None:
-    if heads.hidden_size != target.config.hidden_size:
-        raise SpeculaError(f"Medusa heads of hidden size {heads.hidden_size} do not fit the target's "
-                           f"{target.config.hidden_size}")
-    if heads.vocab_size != target.vocab_size:
-        raise SpeculaError(f"Medusa heads' vocabulary {heads.vocab_size} does not fit the target's "
-                           f"{target.vocab_size}")
+def check_heads_fit(heads: MedusaHeads, hidden_size: int, vocab_size: int) -> None:
+    """Heads must read the target's hidden size and predict over its vocabulary."""
+    if heads.hidden_size != hidden_size:
+        raise SpeculaError(f"Medusa heads of hidden size {heads.hidden_size} do not fit the target's {hidden_size}")
+    if heads.vocab_size != vocab_size:
+        raise SpeculaError(f"Medusa heads' vocabulary {heads.vocab_size} does not fit the target's {vocab_size}")
 
 
 class MedusaDrafter:
@@ -147,7 +146,7 @@ class MedusaDrafter:
 
     def __init__(self, target: Target, heads: MedusaHeads, choices: list[list[int]] | None = None,
                  name: str = "medusa"):
-        check_heads_fit(target, heads)
+        check_heads_fit(heads, target.config.hidden_size, target.vocab_size)
         self.name = name
         self.features = FeatureRequest(final_hidden=True)
         self.heads = heads.to(device=target.device, dtype=target.dtype).eval().attach(target)

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specula.drafters.medusa import CHOICES_FILE, DEFAULT_CHOICES, build_choices, expected_accepted
+from specula.drafters.medusa import CHOICES_FILE, DEFAULT_CHOICES, build_choices, check_heads_fit, expected_accepted
 from specula.errors import SpeculaError
 from specula.heads.medusa_head import MedusaHeads
 from specula.outputs import atomic_write_json
@@ -132,8 +132,8 @@ def write_tree(path: Path, heads: MedusaHeads, samples, nodes: int = TREE_NODES,
 
 @dataclass(frozen=True)
 class MedusaTrainOptions:
-    num_heads: int = 4
-    num_layers: int = 1
+    num_heads: int | None = None  # None: 4, or the init heads' own
+    num_layers: int | None = None  # residual blocks per head; None: 1, or the init heads' own
     decay: float = DECAY
     eval_samples: int = 16  # held-out samples for the per-epoch accuracies
     tau_prompts: int = 4  # of those, prompts decoded with medusa for tau
@@ -141,20 +141,48 @@ class MedusaTrainOptions:
     tree_top_k: int = TREE_TOP_K
     base_model_name_or_path: str = ""  # recorded in config.json (default: the target's directory name)
     shared_lm_head: bool = False  # heads read tokens through the target's frozen LM head (blocks only are trained)
+    init: Path | None = None  # start from these heads instead of fresh ones
+
+
+def check_start_heads(heads: MedusaHeads, hidden_size: int, vocab_size: int, options: MedusaTrainOptions) -> None:
+    """Heads to fine-tune must fit the target, and the options may not ask for another shape or layout."""
+    check_heads_fit(heads, hidden_size, vocab_size)
+    for flag, asked, own in (("--num-heads", options.num_heads, heads.num_heads),
+                             ("--num-layers", options.num_layers, heads.num_layers)):
+        if asked is not None and asked != own:
+            raise SpeculaError(f"{flag} {asked} differs from the --init heads' {own}")
+    if options.shared_lm_head and not heads.shared_lm_head:
+        raise SpeculaError("--shared-lm-head asks for heads that share the target's LM head; the --init heads "
+                           "have their own")
+
+
+def start_heads(target: Target, options: MedusaTrainOptions) -> MedusaHeads:
+    """Fresh heads initialised as Medusa does, or ``options.init``'s (float32, checked against the target)."""
+    if options.init is None:
+        num_layers = 1 if options.num_layers is None else options.num_layers
+        heads = MedusaHeads.for_target(target, options.num_heads or 4, num_layers, options.base_model_name_or_path,
+                                       options.shared_lm_head)
+        return heads.float().to(target.device)
+    heads = MedusaHeads.from_pretrained(options.init, dtype=torch.float32, device=target.device)
+    check_start_heads(heads, target.config.hidden_size, target.vocab_size, options)
+    return heads.attach(target)
 
 
 def train_medusa(target: Target, train_set, eval_set, out: Path, config: TrainConfig,
                  options: MedusaTrainOptions = MedusaTrainOptions(), resume: bool = False, log=print) -> list[dict]:
-    """Train fresh Medusa heads for ``target`` on cached feature samples; writes them (and their tree) to ``out``."""
-    if options.num_heads < 1 or options.num_layers < 0:
+    """Train Medusa heads for ``target`` on cached feature samples; writes them (and their tree) to ``out``.
+
+    The heads start fresh or from ``options.init`` (fine-tuning; its head count, blocks and LM-head layout kept).
+    """
+    if (options.num_heads is not None and options.num_heads < 1) or (options.num_layers or 0) < 0:
         raise SpeculaError("Medusa training needs at least one head and zero or more blocks per head")
     if not 0.0 < options.decay <= 1.0:
         raise SpeculaError(f"the Medusa loss decay must be in (0, 1], got {options.decay}")
     torch.manual_seed(config.seed)
-    heads = MedusaHeads.for_target(target, options.num_heads, options.num_layers, options.base_model_name_or_path,
-                                   options.shared_lm_head)
-    heads = heads.float().to(target.device)
-    default_tree = [p for p in DEFAULT_CHOICES if len(p) <= options.num_heads]
+    heads = start_heads(target, options)
+    if options.init is not None:
+        log(f"starting from the heads in {options.init}")
+    default_tree = [p for p in DEFAULT_CHOICES if len(p) <= heads.num_heads]
 
     def held_out() -> list:
         return [eval_set[i] for i in range(min(len(eval_set), options.eval_samples))]
@@ -169,7 +197,7 @@ def train_medusa(target: Target, train_set, eval_set, out: Path, config: TrainCo
         report["medusa_tau"] = round(medusa_tau(model, target, subset[: options.tau_prompts], default_tree), 3)
         return report
 
-    history = run_training(heads, train_set, medusa_loss(options.num_heads, options.decay), config, out,
+    history = run_training(heads, train_set, medusa_loss(heads.num_heads, options.decay), config, out,
                            save_head=lambda model, directory: model.save_pretrained(directory),
                            keys=("input_ids", "loss_mask", "hidden"), resume=resume,
                            evaluate=evaluate if len(eval_set) else None, log=log, kind="train medusa")
