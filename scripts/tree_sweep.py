@@ -23,6 +23,7 @@ import time
 import specula
 from specula.certify import read_prompts
 from specula.errors import SpeculaError
+from specula.sampling import SamplingParams
 
 
 def parse_setting(text: str) -> tuple[str, dict]:
@@ -49,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="seed of prompt i is seed + i (with --temperature)")
     args = parser.parse_args(argv)
     try:
+        SamplingParams(temperature=args.temperature)  # refused before minutes of loading, not at the first prompt
+        if args.max_new_tokens < 1:
+            raise SpeculaError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
         prompts = read_prompts(args.prompts)
         settings = [parse_setting(text) for text in args.settings]
         base = specula.load(args.target, method="vanilla", weights=args.weights, profile=False)

@@ -722,6 +722,8 @@ def test_tree_sweep_prints_every_setting_against_the_first_and_refuses_bad_setti
     assert [line.split()[1] for line in run.stdout.splitlines()] == ["T=1", "T=1"]
     run = subprocess.run([*common, "--temperature", "-1", "vanilla"], capture_output=True, text=True)
     assert run.returncode == 2 and len(run.stderr.splitlines()) == 1 and "temperature" in run.stderr, run.stderr
+    run = subprocess.run([*common, "--max-new-tokens", "0", "vanilla"], capture_output=True, text=True)
+    assert run.returncode == 2 and run.stderr == "tree_sweep: --max-new-tokens must be >= 1, got 0\n", run.stderr
     run = subprocess.run([*common, "vanilla", 'pld={"num_tokens": 0}'], capture_output=True, text=True)
     assert run.returncode == 2 and len(run.stderr.splitlines()) == 1 and "Traceback" not in run.stderr
     prompts.write_text('{"text": "no prompt field"}\n')
