@@ -114,6 +114,12 @@ def training_inputs(args: argparse.Namespace, request):
     return target, train_set, eval_set, config
 
 
+def target_config_of(target: Path):
+    """The target's transformers config, read without loading its weights: head checks run before minutes of
+    loading and regeneration."""
+    return AutoConfig.from_pretrained(check_model_dir(target, "target"), local_files_only=True)
+
+
 def add_train_eagle(trainers: argparse._SubParsersAction) -> None:
     p = trainers.add_parser("eagle", help="train an EAGLE head (EAGLE-1 paper) by self-distillation",
                             description="Train an EAGLE draft head for a target; it serves eagle and eagle2.")
@@ -129,7 +135,7 @@ def add_train_eagle(trainers: argparse._SubParsersAction) -> None:
 def run_train_eagle(args: argparse.Namespace) -> int:
     options = EagleTrainOptions(num_layers=args.num_layers, init=args.init)
     if args.init is not None:  # checked before the target loads and data is regenerated
-        target_config = AutoConfig.from_pretrained(check_model_dir(args.target, "target"), local_files_only=True)
+        target_config = target_config_of(args.target)
         check_start_eagle_head(EagleHead.from_pretrained(args.init), target_config.hidden_size,
                                target_config.vocab_size, options)
     target, train_set, eval_set, config = training_inputs(args, FeatureRequest(final_hidden=True))
@@ -167,7 +173,7 @@ def _layer_list(text: str) -> tuple[int, ...]:
 
 
 def run_train_eagle3(args: argparse.Namespace) -> int:
-    config = AutoConfig.from_pretrained(check_model_dir(args.target, "target"), local_files_only=True)
+    config = target_config_of(args.target)
     options = Eagle3TrainOptions(args.draft_vocab_size, args.feature_layers, args.ttt_steps, init=args.init)
     layers = args.feature_layers
     if args.init is not None:
@@ -217,7 +223,7 @@ def run_train_medusa(args: argparse.Namespace) -> int:
                                  tree_nodes=args.tree_nodes, base_model_name_or_path=str(args.target),
                                  shared_lm_head=args.shared_lm_head, init=args.init)
     if args.init is not None:  # checked before the target loads and data is regenerated
-        target_config = AutoConfig.from_pretrained(check_model_dir(args.target, "target"), local_files_only=True)
+        target_config = target_config_of(args.target)
         check_start_heads(MedusaHeads.from_pretrained(args.init), target_config.hidden_size,
                           target_config.vocab_size, options)
     target, train_set, eval_set, config = training_inputs(args, FeatureRequest(final_hidden=True))
