@@ -40,6 +40,7 @@ from torch import nn
 
 GROUP_SIZE = 32
 INT4_N_MULTIPLE = 16  # the CPU packing refuses other N; CUDA needs 8
+Q4_1_N_MULTIPLE = 8  # the q4_1 kernel's outputs come in groups of 8 (specula.kernels.q4_1.pack)
 # torch 2.13's bfloat16 int8 CPU kernel reads past the row when K is not a multiple of 8 (garbage outputs,
 # sometimes a segfault; float32 is fine): inputs and weights are padded with zeros to a multiple of 8.
 INT8_K_MULTIPLE = 8
@@ -228,10 +229,10 @@ class Q4_1Linear(_KernelLinear):
             raise ValueError(f"q4_1 blocks span {GROUP_SIZE} inputs, not {groups.group_size}")
         n, kp = groups.q.shape
         self.out_features, self.in_features, self.padded_in = n, groups.in_features, kp
-        codes = groups.q.to(torch.uint8).reshape(n, kp // GROUP_SIZE, 2, GROUP_SIZE // 2)
-        self.register_buffer("qs", (codes[:, :, 0] | codes[:, :, 1] << 4).reshape(n, kp // 2).contiguous())
-        self.register_buffer("d", groups.scale.float().contiguous())
-        self.register_buffer("m", (groups.zero.double() - 8 * groups.scale.double()).float().contiguous())
+        minimum = (groups.zero.double() - 8 * groups.scale.double()).float()
+        packed, scales = q4_1.pack(groups.q, groups.scale.float(), minimum)
+        self.register_buffer("packed", packed)  # uint8 [ceil(N / 8), K / 32, 4, 32]: the kernel's layout
+        self.register_buffer("scales", scales)  # float32 [ceil(N / 8), K / 32, 2, 8]: d and m per block
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
 
     @classmethod
@@ -241,7 +242,14 @@ class Q4_1Linear(_KernelLinear):
     input_dtype = torch.float32  # the kernel rounds the inputs itself
 
     def kernel(self, rows: torch.Tensor) -> torch.Tensor:
-        return self._op(rows, self.qs, self.d, self.m)
+        return self._op(rows, self.packed, self.scales, self.out_features)
+
+    def blocks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The stored Q4_1 blocks, w = codes * d + m: (codes uint8 [N, K'], d, m float32 [N, K' / 32]),
+        K' = K rounded up to 32."""
+        from specula.kernels import q4_1
+
+        return q4_1.unpack(self.packed, self.scales, self.out_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, Q4_1 blocks of {GROUP_SIZE}, "
@@ -323,7 +331,7 @@ def dequantized_weight(module: nn.Module) -> torch.Tensor:
 # contiguous, and they are the small ones, the int4 scales).
 _ROW_TENSORS = {nn.Linear: ("weight", "bias"), Float32Linear: ("weight", "bias"), BFloat16Linear: ("weight", "bias"),
                 Int8Linear: ("qweight", "scales", "bias"), Int4Linear: ("packed", "bias"),
-                Q4_1Linear: ("qs", "d", "m", "bias")}
+                Q4_1Linear: ("packed", "scales", "bias")}
 _COLUMN_TENSORS = {Int4Linear: ("scale_and_zero",)}
 
 
@@ -335,7 +343,7 @@ def fuse_outputs(parts: list[nn.Module]) -> nn.Module | None:
     the same model). Every kernel here computes an output column from its own weight row only, so the fused
     outputs equal the parts' bit for bit (pinned by tests on this device). None where the parts cannot be
     stacked: different kinds, input widths or compute dtypes, bias on some only, int4 rows padded to the
-    kernel's multiple of 16, or the CUDA int4 layout (tiled across rows).
+    kernel's multiple of 16 (q4_1's of 8), or the CUDA int4 layout (tiled across rows).
     """
     first = parts[0]
     kind = type(first)
@@ -345,6 +353,8 @@ def fuse_outputs(parts: list[nn.Module]) -> nn.Module | None:
         return None
     if kind is Int4Linear and (first.cuda or any(p.out_features % INT4_N_MULTIPLE for p in parts)):
         return None
+    if kind is Q4_1Linear and any(p.out_features % Q4_1_N_MULTIPLE for p in parts):
+        return None  # a padded group of outputs would land inside the stack
     fused = copy.copy(first)  # its settings (input width, compute dtype); its tensors are replaced below
     fused._parameters, fused._buffers = dict(first._parameters), dict(first._buffers)
     fused.out_features = sum(p.out_features for p in parts)

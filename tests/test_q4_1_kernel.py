@@ -7,7 +7,7 @@ import torch
 
 from specula.errors import SpeculaError
 from specula.kernels import q4_1
-from specula.quantized_linear import Q4_1Linear, int4_groups
+from specula.quantized_linear import Q4_1Linear, fuse_outputs, int4_groups
 from specula.weights import check_available
 
 needs_kernel = pytest.mark.skipif(q4_1.unavailable_reason() is not None,
@@ -23,10 +23,10 @@ def reference(x: torch.Tensor, module: Q4_1Linear) -> torch.Tensor:
     codes = torch.round(x * inverse).double()
     dx = (amax / 127.0).double()[..., 0]
     sx = (amax / 127.0 * codes.float().sum(-1, keepdim=True))[..., 0].double()  # float32 product, as the kernel
-    qs = module.qs.reshape(module.out_features, k // 32, 16)
-    weight_codes = torch.cat([qs & 15, qs >> 4], dim=-1).double()  # [N, B, 32]
+    weight_codes, d, m = module.blocks()
+    weight_codes = weight_codes.reshape(module.out_features, k // 32, 32).double()  # [N, B, 32]
     dots = torch.einsum("mbj,nbj->mnb", codes, weight_codes)
-    return ((module.d.double()[None] * dx[:, None]) * dots + module.m.double()[None] * sx[:, None]).sum(-1)
+    return ((d.double()[None] * dx[:, None]) * dots + m.double()[None] * sx[:, None]).sum(-1)
 
 
 @needs_kernel
@@ -41,11 +41,12 @@ def test_kernel_computes_the_documented_arithmetic(out_features, in_features):
 
 
 @needs_kernel
-def test_every_row_is_computed_alone_bit_for_bit():
-    """A k-token verify pass and one-token steps see the same numbers from this layer."""
+@pytest.mark.parametrize("out_features", [64, 50])
+def test_every_row_is_computed_alone_bit_for_bit(out_features):
+    """A k-token verify pass and one-token steps see the same numbers from this layer, whichever tile of rows
+    a row falls in (tiles of 4, then 3, 2 or 1) and in the last, partial group of 8 outputs too."""
     torch.manual_seed(1)
-    # K = 576 (SmolLM2's width): two groups of eight blocks (the vector path) and two blocks one by one.
-    module = Q4_1Linear.from_linear(torch.nn.Linear(576, 64, bias=True))
+    module = Q4_1Linear.from_linear(torch.nn.Linear(576, out_features, bias=True))  # K = 576: SmolLM2's width
     x = torch.randn(13, 576) * torch.logspace(-3, 2, 13)[:, None]
     together = module(x)
     for rows in (1, 2, 3, 4, 5, 13):
@@ -59,11 +60,19 @@ def test_weights_are_the_int4_groups_they_were_made_from():
     linear = torch.nn.Linear(64, 32, bias=False)
     groups = int4_groups(linear.weight)
     module = Q4_1Linear(groups, None)
-    codes = module.qs.reshape(32, 2, 16)
-    unpacked = torch.cat([codes & 15, codes >> 4], dim=-1).reshape(32, 64)
-    assert torch.equal(unpacked, groups.q)
-    weight = unpacked.double() * module.d.double().repeat_interleave(32, 1) + module.m.double().repeat_interleave(32, 1)
+    codes, d, m = module.blocks()
+    assert torch.equal(codes, groups.q)
+    weight = codes.double() * d.double().repeat_interleave(32, 1) + m.double().repeat_interleave(32, 1)
     assert (weight - groups.dequantize().double()).abs().max() <= 1e-6 * groups.dequantize().abs().max()
+
+
+@needs_kernel
+def test_outputs_in_a_partial_group_are_not_stacked_with_others():
+    """Fusing q/k/v-like layers stacks groups of 8 outputs: a layer of 20 outputs would put padding mid-stack."""
+    torch.manual_seed(3)
+    parts = [Q4_1Linear.from_linear(torch.nn.Linear(64, n, bias=False)) for n in (64, 20)]
+    assert fuse_outputs(parts) is None
+    assert fuse_outputs([parts[0], Q4_1Linear.from_linear(torch.nn.Linear(64, 24, bias=False))]) is not None
 
 
 @needs_kernel

@@ -3,30 +3,35 @@
 // (the arithmetic llama.cpp uses for Q4_1 x Q8_1 on a CPU). Loaded by specula/kernels/q4_1.py.
 //
 // y[i, n] = sum_b  d[n, b] * dx[i, b] * sum_j qw[n, b, j] * qx[i, b, j]  +  m[n, b] * sx[i, b]
-//   weights  w[n, 32b + j] = qw * d + m, qw in 0..15, stored as qs[n, 16b + j] = qw[j] | qw[j + 16] << 4;
+//   weights  w[n, 32b + j] = qw * d + m, qw in 0..15;
 //   inputs   dx = max|x_block| / 127, qx = round-half-even(x * 127 / max|x_block|), sx = dx * sum_j qx.
-// Every output row is computed from its own input row by the same instruction sequence whatever M is,
-// so a row's result does not depend on how many rows are in the call (a k-token verify pass and a
-// one-token step agree bit for bit in this layer).
+//
+// Layout: outputs go in groups of 8, one per 32-bit vector lane, so a block's eight dot products come out
+// of the integer units already side by side (no horizontal sums). For group g and block b, packed[g, b] is
+// 4 x 32 bytes; byte 4o + t of vector p holds, in its low nibble, qw of output 8g + o at input 8p + t of the
+// block and, in its high nibble, the one at input 8p + 4 + t. scales[g, b] is d of the 8 outputs then m.
+// One step multiplies 4 inputs of a row (broadcast to every lane) by the 8 outputs' 4 codes (maddubs) and
+// adds the pairs into int16 lanes: 8 steps per block stay exact in int16 (|sum| <= 16 * 15 * 127 < 2^15).
+//
+// Every output of a row is computed from that row alone by the same instruction sequence whatever M is and
+// whichever rows share its tile, so a row's result does not depend on how many rows are in the call (a
+// k-token verify pass and a one-token step agree bit for bit in this layer): per lane, float32
+// acc <- fma(block sum, d * dx, acc); acc <- fma(m, sx, acc), block after block.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 
 namespace {
 
 constexpr int64_t kBlock = 32;
-constexpr int64_t kRowChunk = 64;  // rows per pass over the outputs (a multiple of 4: dot_rows<4> groups)
-
-inline float horizontal_sum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+constexpr int64_t kLanes = 8;       // outputs per group
+constexpr int64_t kRowChunk = 32;   // rows whose codes stay in L1 while a thread's groups read them
+constexpr int64_t kRowTile = 4;     // rows sharing one unpacked weight vector
 
 inline __m256i round_to_int(__m256 v) {
   return _mm256_cvtps_epi32(_mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
@@ -73,108 +78,99 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* dx, f
   }
 }
 
-inline __m256i unpack_block(const uint8_t* codes) {  // 16 bytes -> 32 codes 0..15 in input order
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
-  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
+inline __m256i broadcast4(const int8_t* codes) {  // 4 input codes repeated in every 32-bit lane
+  int32_t four;
+  std::memcpy(&four, codes, sizeof(four));
+  return _mm256_set1_epi32(four);
 }
 
-// Exact int32 dot products of one weight block's codes with one input block's codes, in 8 int32 lanes.
-// |qw * qx| <= 15 * 127: pairs sum exactly in int16 (maddubs), then in int32.
-inline __m256i block_products(__m256i w, const int8_t* x) {
-  const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, xq), _mm256_set1_epi16(1));
-}
-
-// Lane j of the result is the sum of p[j]'s 8 lanes.
-inline __m256i sum_each(const __m256i p[8]) {
-  const __m256i h0 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
-  const __m256i h1 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
-  return _mm256_add_epi32(_mm256_permute2x128_si256(h0, h1, 0x20), _mm256_permute2x128_si256(h0, h1, 0x31));
-}
-
-// Output n of R consecutive input rows from i0. Blocks go eight at a time: each weight block is unpacked
-// once for the R rows, the eight blocks' integer sums land in one vector, and their scales multiply it as
-// vectors (d, m and the rows' dx, sx are contiguous per 8 blocks); the last K/32 mod 8 blocks one by one.
+// The 8 outputs of group g for rows i0 .. i0 + R - 1, written to out[r * out_stride + o].
 template <int R>
-inline void dot_rows(const uint8_t* qs, const float* d, const float* m, const int8_t* q, const float* dx,
-                     const float* sx, float* y, int64_t n, int64_t i0, int64_t K, int64_t N) {
+inline void group_rows(const uint8_t* packed, const float* scales, const int8_t* q, const float* dx,
+                       const float* sx, int64_t g, int64_t i0, int64_t K, float* out, int64_t out_stride) {
   const int64_t blocks = K / kBlock;
-  const uint8_t* wn = qs + n * (K / 2);
-  const float* dn = d + n * blocks;
-  const float* mn = m + n * blocks;
+  const uint8_t* wg = packed + g * blocks * 4 * 32;
+  const float* sg = scales + g * blocks * 2 * kLanes;
+  const __m256i low_nibbles = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   __m256 acc[R];
-  float tail[R];
 #pragma GCC unroll 4
-  for (int r = 0; r < R; ++r) {
-    acc[r] = _mm256_setzero_ps();
-    tail[r] = 0.0f;
-  }
-  int64_t b = 0;
-  for (; b + 8 <= blocks; b += 8) {
-    __m256i w[8];
-#pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j) w[j] = unpack_block(wn + (b + j) * 16);
-    const __m256 d8 = _mm256_loadu_ps(dn + b), m8 = _mm256_loadu_ps(mn + b);
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m256i sums[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) sums[r] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + (b * 4 + p) * 32));
+      const __m256i w0 = _mm256_and_si256(raw, low_nibbles);
+      const __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low_nibbles);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xb = q + (i0 + r) * K + b * kBlock + p * 8;
+        sums[r] = _mm256_add_epi16(sums[r], _mm256_maddubs_epi16(w0, broadcast4(xb)));
+        sums[r] = _mm256_add_epi16(sums[r], _mm256_maddubs_epi16(w1, broadcast4(xb + 4)));
+      }
+    }
+    const __m256 d8 = _mm256_loadu_ps(sg + b * 2 * kLanes), m8 = _mm256_loadu_ps(sg + b * 2 * kLanes + kLanes);
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       const int64_t i = i0 + r;
-      const int8_t* xi = q + i * K + b * kBlock;
-      __m256i p[8];
-#pragma GCC unroll 8
-      for (int j = 0; j < 8; ++j) p[j] = block_products(w[j], xi + j * kBlock);
-      const __m256 scale = _mm256_mul_ps(d8, _mm256_loadu_ps(dx + i * blocks + b));
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_each(p)), scale, acc[r]);
-      acc[r] = _mm256_fmadd_ps(m8, _mm256_loadu_ps(sx + i * blocks + b), acc[r]);
-    }
-  }
-  for (; b < blocks; ++b) {
-    const __m256i w = unpack_block(wn + b * 16);
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
-      const int64_t i = i0 + r;
-      const __m256 products = _mm256_cvtepi32_ps(block_products(w, q + i * K + b * kBlock));
-      tail[r] += dn[b] * dx[i * blocks + b] * horizontal_sum(products) + mn[b] * sx[i * blocks + b];
+      const __m256 block_sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[r], ones));
+      acc[r] = _mm256_fmadd_ps(block_sum, _mm256_mul_ps(d8, _mm256_set1_ps(dx[i * blocks + b])), acc[r]);
+      acc[r] = _mm256_fmadd_ps(m8, _mm256_set1_ps(sx[i * blocks + b]), acc[r]);
     }
   }
 #pragma GCC unroll 4
-  for (int r = 0; r < R; ++r) y[(i0 + r) * N + n] = horizontal_sum(acc[r]) + tail[r];
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * out_stride, acc[r]);
 }
 
-torch::Tensor q4_1_linear(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d,
-                          const torch::Tensor& m) {
+template <int R>
+inline void write_group(const uint8_t* packed, const float* scales, const int8_t* q, const float* dx,
+                        const float* sx, int64_t g, int64_t i0, int64_t K, float* y, int64_t N) {
+  const int64_t n0 = g * kLanes;
+  if (n0 + kLanes <= N) {
+    group_rows<R>(packed, scales, q, dx, sx, g, i0, K, y + i0 * N + n0, N);
+    return;
+  }
+  float tile[R * kLanes];  // the last group of an N that is not a multiple of 8: its padding lanes are dropped
+  group_rows<R>(packed, scales, q, dx, sx, g, i0, K, tile, kLanes);
+  for (int r = 0; r < R; ++r) std::memcpy(y + (i0 + r) * N + n0, tile + r * kLanes, (N - n0) * sizeof(float));
+}
+
+torch::Tensor q4_1_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
+                          int64_t N) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(),
               "q4_1_linear: x must be a contiguous float32 [M, K] CPU tensor");
-  const int64_t M = x.size(0), K = x.size(1), N = qs.size(0), blocks = K / kBlock;
+  const int64_t M = x.size(0), K = x.size(1), blocks = K / kBlock, groups = (N + kLanes - 1) / kLanes;
   TORCH_CHECK(K % kBlock == 0, "q4_1_linear: K must be a multiple of 32");
-  TORCH_CHECK(qs.scalar_type() == torch::kUInt8 && qs.is_contiguous() && qs.dim() == 2 && qs.size(1) == K / 2,
-              "q4_1_linear: qs must be contiguous uint8 [N, K / 2]");
-  TORCH_CHECK(d.scalar_type() == torch::kFloat32 && m.scalar_type() == torch::kFloat32 && d.is_contiguous() &&
-                  m.is_contiguous() && d.dim() == 2 && m.dim() == 2 && d.size(0) == N && m.size(0) == N &&
-                  d.size(1) == blocks && m.size(1) == blocks,
-              "q4_1_linear: d and m must be contiguous float32 [N, K / 32]");
+  TORCH_CHECK(N >= 0 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() && packed.dim() == 4 &&
+                  packed.size(0) == groups && packed.size(1) == blocks && packed.size(2) == 4 && packed.size(3) == 32,
+              "q4_1_linear: packed must be contiguous uint8 [ceil(N / 8), K / 32, 4, 32]");
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() && scales.dim() == 4 &&
+                  scales.size(0) == groups && scales.size(1) == blocks && scales.size(2) == 2 && scales.size(3) == 8,
+              "q4_1_linear: scales must be contiguous float32 [ceil(N / 8), K / 32, 2, 8]");
   auto y = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   auto q = torch::empty({M, K}, x.options().dtype(torch::kInt8));
   auto dx = torch::empty({M, blocks}, x.options());
   auto sx = torch::empty({M, blocks}, x.options());
   quantize_rows(x.data_ptr<float>(), M, K, q.data_ptr<int8_t>(), dx.data_ptr<float>(), sx.data_ptr<float>());
-  const uint8_t* qs_ = qs.data_ptr<uint8_t>();
-  const float *d_ = d.data_ptr<float>(), *m_ = m.data_ptr<float>();
+  const uint8_t* packed_ = packed.data_ptr<uint8_t>();
+  const float* scales_ = scales.data_ptr<float>();
   const int8_t* q_ = q.data_ptr<int8_t>();
   const float *dx_ = dx.data_ptr<float>(), *sx_ = sx.data_ptr<float>();
   float* y_ = y.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    // Rows in chunks whose codes stay in cache while every output of the range reads them (a prompt of
-    // 1,500 rows is 0.9 MB of codes per 576-wide layer: streamed once per output, it was 10x slower).
+  at::parallel_for(0, groups, 2, [&](int64_t g0, int64_t g1) {
+    // Rows in chunks whose codes stay in cache while every group of the range reads them.
     for (int64_t c0 = 0; c0 < M; c0 += kRowChunk) {
       const int64_t c1 = std::min(M, c0 + kRowChunk);
-      for (int64_t n = n0; n < n1; ++n) {
+      for (int64_t g = g0; g < g1; ++g) {
         int64_t i0 = c0;
-        for (; i0 + 4 <= c1; i0 += 4) dot_rows<4>(qs_, d_, m_, q_, dx_, sx_, y_, n, i0, K, N);
+        for (; i0 + kRowTile <= c1; i0 += kRowTile) write_group<4>(packed_, scales_, q_, dx_, sx_, g, i0, K, y_, N);
         switch (c1 - i0) {
-          case 3: dot_rows<3>(qs_, d_, m_, q_, dx_, sx_, y_, n, i0, K, N); break;
-          case 2: dot_rows<2>(qs_, d_, m_, q_, dx_, sx_, y_, n, i0, K, N); break;
-          case 1: dot_rows<1>(qs_, d_, m_, q_, dx_, sx_, y_, n, i0, K, N); break;
+          case 3: write_group<3>(packed_, scales_, q_, dx_, sx_, g, i0, K, y_, N); break;
+          case 2: write_group<2>(packed_, scales_, q_, dx_, sx_, g, i0, K, y_, N); break;
+          case 1: write_group<1>(packed_, scales_, q_, dx_, sx_, g, i0, K, y_, N); break;
           default: break;
         }
       }
@@ -186,6 +182,6 @@ torch::Tensor q4_1_linear(const torch::Tensor& x, const torch::Tensor& qs, const
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(specula, library) {
-  library.def("q4_1_linear(Tensor x, Tensor qs, Tensor d, Tensor m) -> Tensor");
+  library.def("q4_1_linear(Tensor x, Tensor packed, Tensor scales, int N) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(specula, CPU, library) { library.impl("q4_1_linear", &q4_1_linear); }

@@ -1,15 +1,16 @@
 """The q4_1 kernel: built once per machine from ``q4_1.cpp`` with the C++ compiler, then loaded as a torch op.
 
-``torch.ops.specula.q4_1_linear(x float32 [M, K], qs uint8 [N, K/2], d float32 [N, K/32], m float32 [N, K/32])
-→ float32 [M, N]`` (the arithmetic is described in ``q4_1.cpp``). It needs an x86 CPU with AVX2 and FMA
-and a C++ compiler; the build (about 30 s) goes to ``kernels/`` in Specula's cache (``~/.cache/specula``,
-`specula.model_source.cache_dir`) and is reused until the source or the torch version changes.
-`scripts/install.sh` builds it, so the first `--weights q4_1` run does not wait for the compiler.
+``torch.ops.specula.q4_1_linear(x float32 [M, K], packed uint8 [G, K/32, 4, 32], scales float32 [G, K/32, 2, 8],
+N) → float32 [M, N]`` with G = ceil(N / 8) groups of outputs (the arithmetic and the layout are described in
+``q4_1.cpp``; `pack` and `unpack` convert from and to codes and per-block scales and minimums). It needs an
+x86 CPU with AVX2 and FMA and a C++ compiler; the build (about 30 s) goes to ``kernels/`` in Specula's cache
+(``~/.cache/specula``, `specula.model_source.cache_dir`) and is reused until the source or the torch version
+changes. `scripts/install.sh` builds it, so the first `--weights q4_1` run does not wait for the compiler.
 
 Why a kernel of our own: torch's int4 CPU kernel (``_weight_int4pack_mm_for_cpu``) multiplies in
 bfloat16 and costs 132 us for a 576 x 3072 weight and one token on a 2-core AVX2 EPYC, 546 us for 11
-tokens; this one takes 61 us and 356 us (`/work/scratch/q4k/bench.py` in the issue note), which is
-most of what separates a Specula step from llama.cpp's on such a machine.
+tokens; this one takes 38 us and 162 us (a first version, summing each row's blocks horizontally, took 61
+and 356 us), which is most of what separates a Specula step from llama.cpp's on such a machine.
 """
 
 from __future__ import annotations
@@ -90,10 +91,40 @@ def load() -> torch._ops.OpOverloadPacket:
     op = torch.ops.specula.q4_1_linear
 
     @torch.library.register_fake("specula::q4_1_linear")
-    def _shape(x, qs, d, m):  # lets torch.compile trace through the op
-        return x.new_empty(x.shape[0], qs.shape[0])
+    def _shape(x, packed, scales, n):  # lets torch.compile trace through the op
+        return x.new_empty(x.shape[0], n)
 
     return op
+
+
+LANES = 8  # outputs per group: one per 32-bit lane of an AVX2 vector
+
+
+def pack(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's layout of Q4_1 blocks w = codes * d + m.
+
+    codes uint8 [N, K] (0..15, K a multiple of 32), d and m float32 [N, K/32] → (packed uint8 [G, K/32, 4, 32],
+    scales float32 [G, K/32, 2, 8]), G = ceil(N / 8); padding outputs have codes, d and m 0.
+    """
+    n, k = codes.shape
+    groups, blocks = -(-n // LANES), k // 32
+    pad = groups * LANES - n
+    codes = torch.nn.functional.pad(codes.to(torch.uint8), (0, 0, 0, pad))
+    # [g, o, b, p, half, t] with input 8p + 4 half + t of block b → [g, b, p, half, o, t]
+    steps = codes.reshape(groups, LANES, blocks, 4, 2, 4).permute(0, 2, 3, 4, 1, 5).reshape(groups, blocks, 4, 2, 32)
+    packed = (steps[:, :, :, 0] | steps[:, :, :, 1] << 4).contiguous()
+    per_group = [torch.nn.functional.pad(t.float(), (0, 0, 0, pad)).reshape(groups, LANES, blocks).transpose(1, 2)
+                 for t in (d, m)]
+    return packed, torch.stack(per_group, dim=2).contiguous()
+
+
+def unpack(packed: torch.Tensor, scales: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inverse of `pack`: (codes uint8 [N, K], d float32 [N, K/32], m float32 [N, K/32])."""
+    groups, blocks = packed.shape[:2]
+    steps = torch.stack([packed & 15, packed >> 4], dim=3).reshape(groups, blocks, 4, 2, LANES, 4)
+    codes = steps.permute(0, 4, 1, 2, 3, 5).reshape(groups * LANES, blocks * 32)[:n]
+    d, m = (scales[:, :, i].transpose(1, 2).reshape(groups * LANES, blocks)[:n] for i in (0, 1))
+    return codes, d, m
 
 
 if __name__ == "__main__":  # `python -m specula.kernels.q4_1`: build now (scripts/install.sh), say what happened
