@@ -232,7 +232,7 @@ class Q4_1Linear(_KernelLinear):
         minimum = (groups.zero.double() - 8 * groups.scale.double()).float()
         packed, scales = q4_1.pack(groups.q, groups.scale.float(), minimum)
         self.register_buffer("packed", packed)  # uint8 [ceil(N / 8), K / 32, 4, 32]: the kernel's layout
-        self.register_buffer("scales", scales)  # float32 [ceil(N / 8), K / 32, 2, 8]: d and m per block
+        self.register_buffer("scales", scales)  # float32 or float16 [ceil(N / 8), K / 32, 2, 8]: d and m per block
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
 
     @classmethod

@@ -67,6 +67,23 @@ def test_weights_are_the_int4_groups_they_were_made_from():
 
 
 @needs_kernel
+def test_scales_exact_in_float16_are_stored_so_and_give_the_same_outputs():
+    """A GGUF file's blocks carry float16 scales: stored as such they are a quarter fewer bytes to read per
+    weight, with outputs bit for bit those of the same scales in float32. Other scales stay float32."""
+    torch.manual_seed(4)
+    groups = int4_groups(torch.randn(40, 96))
+    assert Q4_1Linear(groups, None).scales.dtype == torch.float32
+    groups.scale = groups.scale.half().float()
+    groups.zero = (groups.zero - 8 * groups.scale).half().float() + 8 * groups.scale  # a float16 minimum
+    half = Q4_1Linear(groups, None)
+    assert half.scales.dtype == torch.float16
+    single = Q4_1Linear(groups, None)
+    single.scales = half.scales.float()
+    x = torch.randn(9, 96)
+    assert torch.equal(half(x), single(x))
+
+
+@needs_kernel
 def test_outputs_in_a_partial_group_are_not_stacked_with_others():
     """Fusing q/k/v-like layers stacks groups of 8 outputs: a layer of 20 outputs would put padding mid-stack."""
     torch.manual_seed(3)

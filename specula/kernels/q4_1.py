@@ -1,8 +1,9 @@
 """The q4_1 kernel: built once per machine from ``q4_1.cpp`` with the C++ compiler, then loaded as a torch op.
 
-``torch.ops.specula.q4_1_linear(x float32 [M, K], packed uint8 [G, K/32, 4, 32], scales float32 [G, K/32, 2, 8],
-N) → float32 [M, N]`` with G = ceil(N / 8) groups of outputs (the arithmetic and the layout are described in
-``q4_1.cpp``; `pack` and `unpack` convert from and to codes and per-block scales and minimums). It needs an
+``torch.ops.specula.q4_1_linear(x float32 [M, K], packed uint8 [G, K/32, 4, 32], scales float32 or float16
+[G, K/32, 2, 8], N) → float32 [M, N]`` with G = ceil(N / 8) groups of outputs (the arithmetic and the layout
+are described in ``q4_1.cpp``; `pack` and `unpack` convert from and to codes and per-block scales and
+minimums). It needs an
 x86 CPU with AVX2 and FMA and a C++ compiler; the build (about 30 s) goes to ``kernels/`` in Specula's cache
 (``~/.cache/specula``, `specula.model_source.cache_dir`) and is reused until the source or the torch version
 changes. `scripts/install.sh` builds it, so the first `--weights q4_1` run does not wait for the compiler.
@@ -28,7 +29,7 @@ from specula.kernels import has_cpp_compiler
 from specula.model_source import cache_dir
 
 SOURCE = Path(__file__).with_name("q4_1.cpp")
-FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"]
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]
 
 
 def build_directory() -> Path:
@@ -104,7 +105,8 @@ def pack(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.T
     """The kernel's layout of Q4_1 blocks w = codes * d + m.
 
     codes uint8 [N, K] (0..15, K a multiple of 32), d and m float32 [N, K/32] → (packed uint8 [G, K/32, 4, 32],
-    scales float32 [G, K/32, 2, 8]), G = ceil(N / 8); padding outputs have codes, d and m 0.
+    scales [G, K/32, 2, 8]), G = ceil(N / 8); padding outputs have codes, d and m 0. The scales are float16
+    when every d and m is exactly a float16 (as in a GGUF file's Q4_1 or Q4_0 blocks), else float32.
     """
     n, k = codes.shape
     groups, blocks = -(-n // LANES), k // 32
@@ -115,7 +117,11 @@ def pack(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.T
     packed = (steps[:, :, :, 0] | steps[:, :, :, 1] << 4).contiguous()
     per_group = [torch.nn.functional.pad(t.float(), (0, 0, 0, pad)).reshape(groups, LANES, blocks).transpose(1, 2)
                  for t in (d, m)]
-    return packed, torch.stack(per_group, dim=2).contiguous()
+    scales = torch.stack(per_group, dim=2).contiguous()
+    # One token's step reads every weight once: float16 scales make that a quarter fewer bytes, and they are
+    # exact for a GGUF file's own blocks (stored in float16); other scales keep float32.
+    exact_in_half = torch.equal(scales.half().float(), scales)
+    return packed, scales.half() if exact_in_half else scales
 
 
 def unpack(packed: torch.Tensor, scales: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -123,7 +129,7 @@ def unpack(packed: torch.Tensor, scales: torch.Tensor, n: int) -> tuple[torch.Te
     groups, blocks = packed.shape[:2]
     steps = torch.stack([packed & 15, packed >> 4], dim=3).reshape(groups, blocks, 4, 2, LANES, 4)
     codes = steps.permute(0, 4, 1, 2, 3, 5).reshape(groups * LANES, blocks * 32)[:n]
-    d, m = (scales[:, :, i].transpose(1, 2).reshape(groups * LANES, blocks)[:n] for i in (0, 1))
+    d, m = (scales[:, :, i].float().transpose(1, 2).reshape(groups * LANES, blocks)[:n] for i in (0, 1))
     return codes, d, m
 
 
