@@ -53,7 +53,10 @@ STATIC_TREES = {"cuda": GPU_CHOICES, "cpu": [[0]]}
 #            eagle2 1/1/1 1.27x, 2/2/1 1.02x, 3/3/1 0.96x, 4/2/2 1.05x, 6/3/2 0.84x, 10/5/2 0.66x
 # With these heads' first-draft acceptance (~0.36) every level past the first costs a head step and a wider
 # verify pass for too little; a head that accepts more moves the best deeper (pycoder-25m, whose looping text
-# its heads predicted far better, measured 10/5/2 best). `specula calibrate` records a machine's own choice.
+# its heads predicted far better, measured 10/5/2 best). Re-measured after the q4_1 kernel's rewrite (a 16-token
+# pass 2.0x a step, was 2.8x; 32 held-out prompts): eagle3 1/1/1 1.15x, 2/2/1 1.14x, 3/3/1 1.09x, 4/2/2 1.16x,
+# 6/3/2 1.01x — deeper trees now tie, they do not win, so the default stays. `specula calibrate` records a
+# machine's own choice.
 CUDA_DYNAMIC = {"total_tokens": 60, "depth": 6, "top_k": 10}
 CPU_DYNAMIC = {"total_tokens": 1, "depth": 1, "top_k": 1}
 EAGLE2_BUDGETS = {"cuda": CUDA_DYNAMIC, "cpu": CPU_DYNAMIC}
