@@ -3,10 +3,10 @@
 ``torch.ops.specula.q4_1_linear(x float32 [M, K], packed uint8 [G, K/32, 4, 32], scales float32 or float16
 [G, K/32, 2, 8], N) → float32 [M, N]`` with G = ceil(N / 8) groups of outputs (the arithmetic and the layout
 are described in ``q4_1.cpp``; `pack` and `unpack` convert from and to codes and per-block scales and
-minimums). It needs an
-x86 CPU with AVX2 and FMA and a C++ compiler; the build (about 30 s) goes to ``kernels/`` in Specula's cache
-(``~/.cache/specula``, `specula.model_source.cache_dir`) and is reused until the source or the torch version
-changes. `scripts/install.sh` builds it, so the first `--weights q4_1` run does not wait for the compiler.
+minimums). It needs an x86 CPU with AVX2, FMA and F16C and a C++ compiler; the build (about 30 s) goes to
+``kernels/`` in Specula's cache (``~/.cache/specula``, `specula.model_source.cache_dir`) and is reused until
+the source or the torch version changes. `scripts/install.sh` builds it, so the first `--weights q4_1` run
+does not wait for the compiler.
 
 Why a kernel of our own: torch's int4 CPU kernel (``_weight_int4pack_mm_for_cpu``) multiplies in
 bfloat16 and costs 132 us for a 576 x 3072 weight and one token on a 2-core AVX2 EPYC, 546 us for 11
