@@ -7,6 +7,11 @@ with SIGTERM. Every request is bounded (``--max-tokens``) and so is the whole ru
 reports: requests, failures, the server's total completion tokens/s over the wall time of that level,
 time to first token (first streamed content) and whole-request latency, p50 and p95.
 
+With ``--rounds R`` (R > 1) every method's server starts first (idle servers take memory, no CPU) and each
+round runs every level of every method in turn: on a machine whose speed drifts by 10–25 % between
+minutes, the ratio of two methods measured side by side in a round is what holds; results.md adds the
+medians over rounds and the median per-round ratio to the first method.
+
     OMP_NUM_THREADS=2 .venv/bin/python scripts/serve_load.py --methods vanilla,pld --weights q4_1 \\
         --out docs/benchmarks/serve-smollm2
 
@@ -16,19 +21,23 @@ Writes ``results.json`` and ``results.md`` into ``--out``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 QUESTIONS = REPO.parent / "shared" / "data" / "mt_bench" / "question.jsonl"
+QUESTION_WARM_UP = "Say hello."
 
 
 def free_port() -> int:
@@ -129,17 +138,74 @@ def table(results: dict) -> str:
 
     for method, levels in results["methods"].items():
         for row in levels:
-            lines.append(f"| {method} | {row['concurrency']} | {row['requests']} | {row['failures']} | "
+            label = method if "round" not in row else f"{method} (round {row['round'] + 1})"
+            lines.append(f"| {label} | {row['concurrency']} | {row['requests']} | {row['failures']} | "
                          f"{row['tokens_per_s']:.1f} | {s(row['ttft_p50_s'])} / {s(row['ttft_p95_s'])} | "
                          f"{s(row['latency_p50_s'])} / {s(row['latency_p95_s'])} |")
+    return "\n".join(lines)
+
+
+def rounds_table(results: dict) -> str:
+    """Medians over rounds per method and level, and each method's rate over the first method's in the same
+    round and level (median of those ratios): the comparison a noisy machine leaves most intact."""
+    lines = ["| method | clients | rounds | requests | failures | tokens/s median (min–max) | vs "
+             f"{next(iter(results['methods']))} (median of per-round ratios) |", "|---|---|---|---|---|---|---|"]
+    base = {(r["concurrency"], r["round"]): r["tokens_per_s"] for r in next(iter(results["methods"].values()))}
+    for method, rows in results["methods"].items():
+        for concurrency in dict.fromkeys(r["concurrency"] for r in rows):
+            level = [r for r in rows if r["concurrency"] == concurrency]
+            rates = [r["tokens_per_s"] for r in level]
+            ratios = [r["tokens_per_s"] / base[concurrency, r["round"]] for r in level
+                      if base.get((concurrency, r["round"]))]
+            ratio = f"{statistics.median(ratios):.2f}× ({min(ratios):.2f}–{max(ratios):.2f})" if ratios else "–"
+            lines.append(f"| {method} | {concurrency} | {len(level)} | {sum(r['requests'] for r in level)} | "
+                         f"{sum(r['failures'] for r in level)} | {statistics.median(rates):.1f} "
+                         f"({min(rates):.1f}–{max(rates):.1f}) | {ratio} |")
     return "\n".join(lines)
 
 
 def write_results(out: Path, results: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+    rounds = any("round" in r for rows in results["methods"].values() for r in rows)
+    summary = f"{rounds_table(results)}\n\nEvery round:\n\n" if rounds else ""
     (out / "results.md").write_text(f"# specula serve under load\n\nCommand: `{results['command']}`\n\n"
-                                    f"{table(results)}\n", encoding="utf-8")
+                                    f"{summary}{table(results)}\n", encoding="utf-8")
+
+
+@contextlib.contextmanager
+def served(methods: list[str], args) -> Iterator[dict[str, int]]:
+    """Servers for ``methods`` on free localhost ports, ready and warmed up: {method: port}; SIGTERM at exit."""
+    servers: dict[str, tuple[int, subprocess.Popen]] = {}
+    try:
+        for method in methods:
+            port = free_port()
+            servers[method] = port, start_server(method, args.weights, port, args.serve_option)
+        for port, server in servers.values():
+            wait_healthy(port, server, args.ready_timeout)
+            run_level(port, [QUESTION_WARM_UP], 1, 1, 8)  # warm-up, not recorded
+        yield {method: port for method, (port, _) in servers.items()}
+    finally:
+        for _, server in servers.values():
+            server.send_signal(signal.SIGTERM)
+        for _, server in servers.values():
+            try:
+                server.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                server.kill()
+
+
+def measure(results: dict, method: str, port: int, prompts: list[str], concurrency: int, args,
+            round_: int | None) -> None:
+    """One level against one server, recorded (and written at once: a later failure keeps what was measured)."""
+    row = run_level(port, prompts, concurrency, args.requests, args.max_tokens)
+    if round_ is not None:
+        row["round"] = round_
+    results["methods"].setdefault(method, []).append(row)
+    where = "" if round_ is None else f" (round {round_ + 1})"
+    print(f"{method} x{concurrency}{where}: {row['tokens_per_s']:.1f} tokens/s, {row['failures']} failures",
+          file=sys.stderr, flush=True)
+    write_results(args.out, results)
 
 
 def main() -> int:
@@ -151,6 +217,10 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--serve-option", action="append", default=[], metavar="ARG",
                    help="extra argument for specula serve, e.g. --serve-option=--compile (repeatable)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="with more than 1, every method's server starts first and each round runs every level "
+                        "of every method in turn, so a slow spell of the machine hits all methods alike; the "
+                        "table shows medians over rounds (default: 1, one method after another)")
     p.add_argument("--ready-timeout", type=float, default=900, help="seconds to wait for /health")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
@@ -159,27 +229,22 @@ def main() -> int:
     results = {"command": " ".join(sys.argv), "weights": args.weights, "max_tokens": args.max_tokens,
                "requests_per_client": args.requests, "serve_options": args.serve_option,
                "threads": os.environ.get("OMP_NUM_THREADS"), "methods": {}}
-    for method in args.methods.split(","):
-        port = free_port()
-        server = start_server(method, args.weights, port, args.serve_option)
-        try:
-            wait_healthy(port, server, args.ready_timeout)
-            run_level(port, prompts, 1, 1, 8)  # warm-up, not recorded
-            results["methods"][method] = []
-            for concurrency in levels:
-                row = run_level(port, prompts, concurrency, args.requests, args.max_tokens)
-                results["methods"][method].append(row)
-                print(f"{method} x{concurrency}: {row['tokens_per_s']:.1f} tokens/s, {row['failures']} failures",
-                      file=sys.stderr, flush=True)
-                write_results(args.out, results)  # a later failure keeps what was measured
-        finally:
-            server.send_signal(signal.SIGTERM)
-            try:
-                server.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                server.kill()
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be >= 1, got {args.rounds}")
+    methods = args.methods.split(",")
+    if args.rounds == 1:
+        for method in methods:
+            with served([method], args) as ports:
+                for concurrency in levels:
+                    measure(results, method, ports[method], prompts, concurrency, args, None)
+    else:
+        with served(methods, args) as ports:
+            for round_ in range(args.rounds):
+                for concurrency in levels:
+                    for method in methods:
+                        measure(results, method, ports[method], prompts, concurrency, args, round_)
     write_results(args.out, results)
-    print(table(results))
+    print((args.out / "results.md").read_text(encoding="utf-8"))
     return 0
 
 
