@@ -18,7 +18,7 @@
 // Every output of a row is computed from that row alone by the same instruction sequence whatever M is and
 // whichever rows share its tile, so a row's result does not depend on how many rows are in the call (a
 // k-token verify pass and a one-token step agree bit for bit in this layer): per lane, float32
-// acc <- fma(block sum, d * dx, acc); acc <- fma(m, sx, acc), block after block.
+// acc <- fma(block sum, d * dx, acc) and acc_m <- fma(m, sx, acc_m), block after block, then y = acc + acc_m.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
