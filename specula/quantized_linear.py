@@ -42,8 +42,10 @@ GROUP_SIZE = 32
 INT4_N_MULTIPLE = 16  # the CPU packing refuses other N; CUDA needs 8
 Q4_1_N_MULTIPLE = 8  # the q4_1 kernel's outputs come in groups of 8 (specula.kernels.q4_1.pack)
 # torch 2.13's bfloat16 int8 CPU kernel reads past the row when K is not a multiple of 8 (garbage outputs,
-# sometimes a segfault; float32 is fine): inputs and weights are padded with zeros to a multiple of 8.
-INT8_K_MULTIPLE = 8
+# sometimes a segfault; float32 is fine), and on an AVX-512 CPU (an Intel Xeon here) it segfaults for two or
+# more rows whenever K is not a multiple of 16 (K = 24, 168, 1544 crash; 16, 160, 176, 1536 do not): inputs
+# and weights are padded with zeros to a multiple of 16.
+INT8_K_MULTIPLE = 16
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -277,14 +279,14 @@ class Float32Linear(nn.Linear):
     """`nn.Linear` (same float32 weight and bias, shared, not copied) with its CPU matmul laid out for decoding.
 
     x [..., K] → [..., N]. On a CPU, ``W @ x.T`` instead of ``F.linear``'s ``x @ W.T``, and a one-row input as
-    two equal columns. Why: decoding multiplies 1 to ~64 rows by weights far larger than the caches, and MKL
-    reads W at very different rates by layout. Measured on this project's machine (AMD EPYC, AVX2, 2 threads,
-    torch 2.13 with MKL 2024.2), the 49,152 x 576 LM head: 1 row 9.1 ms (``F.linear``) vs 5.1 ms (two
-    columns); 2 rows 21.4 vs 6.0; 4 rows 21.3 vs 5.6; 16 rows 24.2 vs 13.9; 64 rows 44.0 vs 29.8. The whole
-    SmolLM2-135M forward after 40 tokens (alternating runs, medians): 1 token 54–57 → 47–50 ms, 2 tokens
-    92–96 → 43–47, 4 tokens 99–104 → 46–50, 8 tokens 95–107 → 65–70. Same products and sums in float32,
-    possibly in another order (rounding noise, as between any two matmul shapes). Elsewhere (CUDA) it is plain
-    ``F.linear``; `specula.weights` swaps it in only for weights too large to stay in cache.
+    two equal columns. Why: decoding multiplies 1 to ~64 rows by weights far larger than the caches, and the
+    BLAS reads W at very different rates by layout. Which layout wins depends on the CPU (measured with
+    torch 2.13 / MKL, 2 threads, the 49,152 x 576 LM head, 1 row: AMD EPYC 9.1 ms with ``F.linear``, 5.1 ms
+    here; Intel Xeon with AVX-512 2.65 vs 7.13 ms), so `specula.weights` swaps it in only where
+    `specula.float32_layout` measured it faster, and only for weights too large to stay in cache. On the
+    EPYC, the whole SmolLM2-135M forward after 40 tokens: 1 token 54–57 → 47–50 ms, 4 tokens 99–104 →
+    46–50. Same products and sums in float32, possibly in another order (rounding noise, as between any two
+    matmul shapes). Elsewhere (CUDA) it is plain ``F.linear``.
     """
 
     @classmethod
@@ -343,7 +345,9 @@ def fuse_outputs(parts: list[nn.Module]) -> nn.Module | None:
     the same model). Every kernel here computes an output column from its own weight row only, so the fused
     outputs equal the parts' bit for bit (pinned by tests on this device). None where the parts cannot be
     stacked: different kinds, input widths or compute dtypes, bias on some only, int4 rows padded to the
-    kernel's multiple of 16 (q4_1's of 8), or the CUDA int4 layout (tiled across rows).
+    kernel's multiple of 16 (q4_1's of 8), the CUDA int4 layout (tiled across rows), or any other layout
+    where a probe through the fused layer does not give the parts' outputs bit for bit (torch's int4 CPU
+    packing on an AVX-512 CPU tiles 64 rows, so parts of 32 rows cannot be stacked there).
     """
     first = parts[0]
     kind = type(first)
@@ -360,11 +364,17 @@ def fuse_outputs(parts: list[nn.Module]) -> nn.Module | None:
     fused.out_features = sum(p.out_features for p in parts)
     for name in _COLUMN_TENSORS.get(kind, ()):
         setattr(fused, name, torch.cat([getattr(p, name) for p in parts], dim=1).contiguous())
-    for name in _ROW_TENSORS[kind]:
-        if getattr(first, name) is None:
-            continue
-        stacked = torch.cat([getattr(p, name).detach() for p in parts])
+    stacks = {name: torch.cat([getattr(p, name).detach() for p in parts])
+              for name in _ROW_TENSORS[kind] if getattr(first, name) is not None}
+    for name, stacked in stacks.items():
         _set_tensor(fused, name, stacked)
+    # A kernel may lay a weight out in tiles across rows by CPU (torch's int4 CPU packing interleaves 64 rows
+    # on an AVX-512 CPU: parts of 32 rows then mix): the fused layer must give the parts' bits on a probe.
+    probe = torch.randn(2, first.in_features, generator=torch.Generator().manual_seed(0)).to(stacked.device)
+    with torch.no_grad():
+        if not torch.equal(fused(probe), torch.cat([part(probe) for part in parts], dim=-1)):
+            return None
+    for name, stacked in stacks.items():
         for part, rows in zip(parts, stacked.split([getattr(p, name).shape[0] for p in parts]), strict=True):
             _set_tensor(part, name, rows)
     return fused

@@ -131,9 +131,10 @@ def test_float32_linear_is_the_float32_matmul_on_the_same_parameters(rows):
     assert ((out.double() - reference).abs() <= kernel_bound(x, linear.weight, torch.float32)).all()
 
 
-def test_float32_target_keeps_its_tied_lm_head_tied_and_small_layers_plain():
+def test_float32_target_keeps_its_tied_lm_head_tied_and_small_layers_plain(monkeypatch):
     """Swapping in Float32Linear keeps every parameter: a tied LM head still is the embedding. Layers small
     enough to stay in cache keep `F.linear`, which is faster for them."""
+    monkeypatch.setenv("SPECULA_FLOAT32_LAYOUT", "columns")  # where the machine's measurement chose it
     model = tiny_model("llama", tie_word_embeddings=True, vocab_size=FLOAT32_LAYOUT_MIN_ELEMENTS // 64)
     quantize_linear_weights(model, "float32", lm_head=True)
     assert isinstance(model.lm_head, Float32Linear)
@@ -156,8 +157,8 @@ def _linears(fmt: str, rows: list[int], width: int = 64, bias: bool = False) -> 
 @pytest.mark.parametrize("tokens", [1, 4, 16])
 def test_fused_projections_equal_the_separate_ones_bit_for_bit(fmt, tokens):
     """Stacked q/k/v-like linears give exactly the parts' outputs, and the parts still give them after, from
-    views of the stacked weight (no second copy)."""
-    parts = _linears(fmt, [64, 32, 32], bias=fmt == "int8")
+    views of the stacked weight (no second copy). Parts of 64 rows: every kernel's layout stacks those."""
+    parts = _linears(fmt, [128, 64, 64], bias=fmt == "int8")
     x = torch.randn(tokens, 64)
     before = [part(x) for part in parts]
     fused = fuse_outputs(parts)
@@ -167,6 +168,22 @@ def test_fused_projections_equal_the_separate_ones_bit_for_bit(fmt, tokens):
     stacked = max((*fused.parameters(), *fused.buffers()), key=torch.Tensor.numel)
     first = max((*parts[0].parameters(), *parts[0].buffers()), key=torch.Tensor.numel)
     assert first.data_ptr() == stacked.data_ptr() and stacked.numel() == 2 * first.numel()
+
+
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8", "int4", Q4_1])
+def test_parts_are_fused_only_where_the_kernel_gives_their_bits(fmt):
+    """Parts of 32 rows: torch's int4 CPU packing interleaves 64 rows on an AVX-512 CPU, so there they must
+    stay apart, untouched; wherever they are fused, the fused layer gives the parts' outputs bit for bit."""
+    parts = _linears(fmt, [64, 32, 32], bias=fmt == "int8")
+    x = torch.randn(5, 64)
+    before = [part(x) for part in parts]
+    tensors = [[t.data_ptr() for t in (*part.parameters(), *part.buffers())] for part in parts]
+    fused = fuse_outputs(parts)
+    if fused is None:
+        assert [[t.data_ptr() for t in (*part.parameters(), *part.buffers())] for part in parts] == tensors
+    else:
+        assert torch.equal(fused(x), torch.cat(before, dim=-1))
+    assert all(torch.equal(part(x), out) for part, out in zip(parts, before, strict=True))
 
 
 def test_linears_that_cannot_be_stacked_are_left_alone():
