@@ -9,7 +9,9 @@ int4 step (one-token forward, 2 threads, AMD EPYC AVX2: int4 44 → 33 ms with t
 int4). A tied head then stops sharing its weight with the embedding, which stays float. The formats:
 
 - ``float32``: the weights as loaded (in the ``dtype`` the model was loaded in); float32 layers on a CPU
-  become `Float32Linear`s on the same parameters, whose matmul layout suits decoding's few rows;
+  become `Float32Linear`s on the same parameters where that matmul layout is the faster one on this CPU
+  (`specula.float32_layout` measures it once per machine: on an AMD EPYC it halves a step, on an Intel
+  Xeon it would nearly triple it);
 - ``bfloat16``: weights cast to bfloat16, the matmul in bfloat16;
 - ``int8``: symmetric int8 with one scale per output channel (``_weight_int8pack_mm``), computed in
   bfloat16 (activations cast in and out of each layer; see `KERNEL_DTYPE`);
@@ -48,6 +50,7 @@ import torch
 from torch import nn
 
 from specula.errors import SpeculaError
+from specula.float32_layout import columns_layout_pays
 from specula.profile import measured_on
 from specula.quantized_linear import (
     GROUP_SIZE,
@@ -251,15 +254,22 @@ def _use_float32_layout(model: nn.Module, names: list[str]) -> None:
     """Swap the float32 CPU `nn.Linear` layers called ``names`` for `Float32Linear`s on the same parameters
     (faster matmuls for the few rows of a decoding step; the weights and the model stay the same).
 
-    Only weights of at least `FLOAT32_LAYOUT_MIN_ELEMENTS`: the layout pays where a step streams the weight from
+    Only on a CPU where that layout is the faster one (`specula.float32_layout`, measured once per machine), and
+    only weights of at least `FLOAT32_LAYOUT_MIN_ELEMENTS`: the layout pays where a step streams the weight from
     memory; a small one stays in cache and its extra operations cost more than they save (one row through a
     64 x 64 weight: 8 us with ``F.linear``, 69 us as two columns).
     """
-    for name in names:
-        linear = model.get_submodule(name)
-        if (type(linear) is nn.Linear and linear.weight.dtype == torch.float32 and linear.weight.device.type == "cpu"
-                and linear.weight.numel() >= FLOAT32_LAYOUT_MIN_ELEMENTS):
-            replace_submodule(model, name, Float32Linear.sharing(linear))
+    large_cpu_float32 = [name for name in names if _streams_from_memory(model.get_submodule(name))]
+    if not large_cpu_float32 or not columns_layout_pays():
+        return
+    for name in large_cpu_float32:
+        replace_submodule(model, name, Float32Linear.sharing(model.get_submodule(name)))
+
+
+def _streams_from_memory(linear: nn.Module) -> bool:
+    """A plain float32 CPU `nn.Linear` large enough that a decoding step streams its weight from memory."""
+    return (type(linear) is nn.Linear and linear.weight.dtype == torch.float32 and linear.weight.device.type == "cpu"
+            and linear.weight.numel() >= FLOAT32_LAYOUT_MIN_ELEMENTS)
 
 
 def replace_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
