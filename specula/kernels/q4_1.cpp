@@ -19,11 +19,17 @@
 // whichever rows share its tile, so a row's result does not depend on how many rows are in the call (a
 // k-token verify pass and a one-token step agree bit for bit in this layer): per lane, float32
 // acc <- fma(block sum, d * dx, acc) and acc_m <- fma(m, sx, acc_m), block after block, then y = acc + acc_m.
+//
+// On a CPU with AVX-512 VNNI, two groups (16 outputs) share one 512-bit vector and each step's products are
+// summed into int32 lanes by one vpdpbusd instead of maddubs + add. The block sums are the same integers
+// (exact either way), and every float operation per lane is the AVX2 one in the same order, so both paths
+// give the same bits; the layout is the same, and an AVX2 machine runs this build's AVX2 path.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -145,6 +151,113 @@ inline void write_group(const uint8_t* packed, const S* scales, const int8_t* q,
 }
 
 template <typename S>
+void group_tiles(const uint8_t* packed, const S* scales, const int8_t* q, const float* dx, const float* sx,
+                 int64_t g, int64_t c0, int64_t c1, int64_t K, float* y, int64_t N) {
+  int64_t i0 = c0;
+  for (; i0 + kRowTile <= c1; i0 += kRowTile) write_group<4, S>(packed, scales, q, dx, sx, g, i0, K, y, N);
+  switch (c1 - i0) {
+    case 3: write_group<3, S>(packed, scales, q, dx, sx, g, i0, K, y, N); break;
+    case 2: write_group<2, S>(packed, scales, q, dx, sx, g, i0, K, y, N); break;
+    case 1: write_group<1, S>(packed, scales, q, dx, sx, g, i0, K, y, N); break;
+    default: break;
+  }
+}
+
+#define SPECULA_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
+
+SPECULA_AVX512 inline __m512 load16(const float* first, const float* second) {
+  return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(first)), _mm256_loadu_ps(second), 1);
+}
+SPECULA_AVX512 inline __m512 load16(const at::Half* first, const at::Half* second) {
+  return _mm512_insertf32x8(_mm512_castps256_ps512(load8(first)), load8(second), 1);
+}
+
+// The 16 outputs of groups g and g + 1 for rows i0 .. i0 + R - 1 (as group_rows, lanes 8..15 for group g + 1).
+template <int R, typename S>
+SPECULA_AVX512 inline void pair_rows(const uint8_t* packed, const S* scales, const int8_t* q, const float* dx,
+                                     const float* sx, int64_t g, int64_t i0, int64_t K, float* out,
+                                     int64_t out_stride) {
+  const int64_t blocks = K / kBlock;
+  const uint8_t* wg = packed + g * blocks * 4 * 32;
+  const uint8_t* wh = wg + blocks * 4 * 32;
+  const S* sg = scales + g * blocks * 2 * kLanes;
+  const S* sh = sg + blocks * 2 * kLanes;
+  const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
+  __m512 acc[R], acc_m[R];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) acc[r] = acc_m[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512i sums[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) sums[r] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) {
+      const int64_t at = (b * 4 + p) * 32;
+      const __m512i raw = _mm512_inserti64x4(
+          _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + at))),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wh + at)), 1);
+      const __m512i w0 = _mm512_and_si512(raw, low_nibbles);
+      const __m512i w1 = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low_nibbles);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xb = q + (i0 + r) * K + b * kBlock + p * 8;
+        int32_t four0, four1;
+        std::memcpy(&four0, xb, sizeof(four0));
+        std::memcpy(&four1, xb + 4, sizeof(four1));
+        sums[r] = _mm512_dpbusd_epi32(sums[r], w0, _mm512_set1_epi32(four0));
+        sums[r] = _mm512_dpbusd_epi32(sums[r], w1, _mm512_set1_epi32(four1));
+      }
+    }
+    const __m512 d16 = load16(sg + b * 2 * kLanes, sh + b * 2 * kLanes);
+    const __m512 m16 = load16(sg + b * 2 * kLanes + kLanes, sh + b * 2 * kLanes + kLanes);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = i0 + r;
+      const __m512 block_sum = _mm512_cvtepi32_ps(sums[r]);
+      acc[r] = _mm512_fmadd_ps(block_sum, _mm512_mul_ps(d16, _mm512_set1_ps(dx[i * blocks + b])), acc[r]);
+      acc_m[r] = _mm512_fmadd_ps(m16, _mm512_set1_ps(sx[i * blocks + b]), acc_m[r]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * out_stride, _mm512_add_ps(acc[r], acc_m[r]));
+}
+
+template <int R, typename S>
+SPECULA_AVX512 inline void write_pair(const uint8_t* packed, const S* scales, const int8_t* q, const float* dx,
+                                      const float* sx, int64_t g, int64_t i0, int64_t K, float* y, int64_t N) {
+  const int64_t n0 = g * kLanes;
+  if (n0 + 2 * kLanes <= N) {
+    pair_rows<R, S>(packed, scales, q, dx, sx, g, i0, K, y + i0 * N + n0, N);
+    return;
+  }
+  float tile[R * 2 * kLanes];  // the second group is N's partial last one: its padding lanes are dropped
+  pair_rows<R, S>(packed, scales, q, dx, sx, g, i0, K, tile, 2 * kLanes);
+  for (int r = 0; r < R; ++r) std::memcpy(y + (i0 + r) * N + n0, tile + r * 2 * kLanes, (N - n0) * sizeof(float));
+}
+
+template <typename S>
+SPECULA_AVX512 void pair_tiles(const uint8_t* packed, const S* scales, const int8_t* q, const float* dx,
+                               const float* sx, int64_t g, int64_t c0, int64_t c1, int64_t K, float* y, int64_t N) {
+  int64_t i0 = c0;
+  for (; i0 + kRowTile <= c1; i0 += kRowTile) write_pair<4, S>(packed, scales, q, dx, sx, g, i0, K, y, N);
+  switch (c1 - i0) {
+    case 3: write_pair<3, S>(packed, scales, q, dx, sx, g, i0, K, y, N); break;
+    case 2: write_pair<2, S>(packed, scales, q, dx, sx, g, i0, K, y, N); break;
+    case 1: write_pair<1, S>(packed, scales, q, dx, sx, g, i0, K, y, N); break;
+    default: break;
+  }
+}
+
+bool cpu_has_avx512_vnni() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+         __builtin_cpu_supports("avx512vnni");
+}
+
+std::atomic<bool> use_avx512{cpu_has_avx512_vnni()};
+
+template <typename S>
 void multiply(const torch::Tensor& q, const torch::Tensor& dx, const torch::Tensor& sx, const torch::Tensor& packed,
               const torch::Tensor& scales, torch::Tensor& y) {
   const int64_t M = q.size(0), K = q.size(1), N = y.size(1), groups = packed.size(0);
@@ -153,20 +266,27 @@ void multiply(const torch::Tensor& q, const torch::Tensor& dx, const torch::Tens
   const int8_t* q_ = q.data_ptr<int8_t>();
   const float *dx_ = dx.data_ptr<float>(), *sx_ = sx.data_ptr<float>();
   float* y_ = y.data_ptr<float>();
+  if (use_avx512.load(std::memory_order_relaxed)) {
+    const int64_t pairs = (groups + 1) / 2;  // the last one may be a single group: the AVX2 path below takes it
+    at::parallel_for(0, pairs, 1, [&](int64_t u0, int64_t u1) {
+      for (int64_t c0 = 0; c0 < M; c0 += kRowChunk) {
+        const int64_t c1 = std::min(M, c0 + kRowChunk);
+        for (int64_t u = u0; u < u1; ++u) {
+          if (2 * u + 1 < groups) {
+            pair_tiles<S>(packed_, scales_, q_, dx_, sx_, 2 * u, c0, c1, K, y_, N);
+          } else {
+            group_tiles<S>(packed_, scales_, q_, dx_, sx_, 2 * u, c0, c1, K, y_, N);
+          }
+        }
+      }
+    });
+    return;
+  }
   at::parallel_for(0, groups, 2, [&](int64_t g0, int64_t g1) {
     // Rows in chunks whose codes stay in cache while every group of the range reads them.
     for (int64_t c0 = 0; c0 < M; c0 += kRowChunk) {
       const int64_t c1 = std::min(M, c0 + kRowChunk);
-      for (int64_t g = g0; g < g1; ++g) {
-        int64_t i0 = c0;
-        for (; i0 + kRowTile <= c1; i0 += kRowTile) write_group<4, S>(packed_, scales_, q_, dx_, sx_, g, i0, K, y_, N);
-        switch (c1 - i0) {
-          case 3: write_group<3, S>(packed_, scales_, q_, dx_, sx_, g, i0, K, y_, N); break;
-          case 2: write_group<2, S>(packed_, scales_, q_, dx_, sx_, g, i0, K, y_, N); break;
-          case 1: write_group<1, S>(packed_, scales_, q_, dx_, sx_, g, i0, K, y_, N); break;
-          default: break;
-        }
-      }
+      for (int64_t g = g0; g < g1; ++g) group_tiles<S>(packed_, scales_, q_, dx_, sx_, g, c0, c1, K, y_, N);
     }
   });
 }
@@ -198,9 +318,16 @@ torch::Tensor q4_1_linear(const torch::Tensor& x, const torch::Tensor& packed, c
   return y;
 }
 
+// Whether the AVX-512 path runs (``enabled`` and the CPU has it); for comparing the two paths.
+bool q4_1_use_avx512(bool enabled) {
+  use_avx512.store(enabled && cpu_has_avx512_vnni());
+  return use_avx512.load();
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(specula, library) {
   library.def("q4_1_linear(Tensor x, Tensor packed, Tensor scales, int N) -> Tensor");
+  library.def("q4_1_use_avx512(bool enabled) -> bool", &q4_1_use_avx512);
 }
 TORCH_LIBRARY_IMPL(specula, CPU, library) { library.impl("q4_1_linear", &q4_1_linear); }

@@ -29,6 +29,7 @@ from specula.kernels import has_cpp_compiler
 from specula.model_source import cache_dir
 
 SOURCE = Path(__file__).with_name("q4_1.cpp")
+AVX512_VARIABLE = "SPECULA_Q4_1_AVX512"
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]
 
 
@@ -90,12 +91,24 @@ def load() -> torch._ops.OpOverloadPacket:
         log.write_text(str(err), encoding="utf-8")
         raise SpeculaError(f"could not build the q4_1 kernel in {directory} (the compiler's output: {log})") from err
     op = torch.ops.specula.q4_1_linear
+    if os.environ.get(AVX512_VARIABLE) == "0":
+        torch.ops.specula.q4_1_use_avx512(False)
 
     @torch.library.register_fake("specula::q4_1_linear")
     def _shape(x, packed, scales, n):  # lets torch.compile trace through the op
         return x.new_empty(x.shape[0], n)
 
     return op
+
+
+def use_avx512(enabled: bool) -> bool:
+    """Let the kernel use its AVX-512 VNNI path (where the CPU has it) or not; returns whether it now does.
+
+    Both paths give the same bits (``q4_1.cpp`` says why); the AVX-512 one is faster where it exists. It is on
+    by default on such a CPU; ``SPECULA_Q4_1_AVX512=0`` turns it off in a process (to compare the two).
+    """
+    load()
+    return bool(torch.ops.specula.q4_1_use_avx512(enabled))
 
 
 LANES = 8  # outputs per group: one per 32-bit lane of an AVX2 vector
