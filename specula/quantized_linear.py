@@ -370,7 +370,9 @@ def fuse_outputs(parts: list[nn.Module]) -> nn.Module | None:
         _set_tensor(fused, name, stacked)
     # A kernel may lay a weight out in tiles across rows by CPU (torch's int4 CPU packing interleaves 64 rows
     # on an AVX-512 CPU: parts of 32 rows then mix): the fused layer must give the parts' bits on a probe.
-    probe = torch.randn(2, first.in_features, generator=torch.Generator().manual_seed(0)).to(stacked.device)
+    weight = getattr(first, "weight", None)  # plain linears take inputs in their weight's dtype; kernels cast
+    dtype = weight.dtype if isinstance(weight, torch.Tensor) and weight.is_floating_point() else torch.float32
+    probe = torch.randn(2, first.in_features, generator=torch.Generator().manual_seed(0)).to(stacked.device, dtype)
     with torch.no_grad():
         if not torch.equal(fused(probe), torch.cat([part(probe) for part in parts], dim=-1)):
             return None
