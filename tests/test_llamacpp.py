@@ -48,6 +48,10 @@ if "--version" in argv:
 if os.environ.get("FAKE_LLAMA_MODE") == "crash":
     print("error: failed to load model 'nowhere.gguf'", flush=True)
     sys.exit(1)
+if os.environ.get("FAKE_LLAMA_MODE") == "illegal-instruction":
+    import signal
+    print("llama threadpool init, n_threads = 2", flush=True)
+    os.kill(os.getpid(), signal.SIGILL)
 port = int(argv[argv.index("--port") + 1])
 
 class Handler(BaseHTTPRequestHandler):
@@ -313,10 +317,19 @@ def test_server_is_stopped_when_its_user_is_interrupted(fake_binary, started):
 
 def test_a_server_that_dies_at_start_is_one_error_quoting_its_output(fake_binary, started, monkeypatch):
     monkeypatch.setenv("FAKE_LLAMA_MODE", "crash")
-    with pytest.raises(SpeculaError, match="llama-server did not start .*failed to load model 'nowhere.gguf'"):
+    with pytest.raises(SpeculaError, match="llama-server did not start .*: it exited with status 1; its last "
+                                           "output: error: failed to load model 'nowhere.gguf'"):
         with LlamaServer(fake_binary, ["-m", "nowhere.gguf"]):
             pass
     assert len(started) == 1  # no retry: only a lost race for the port is retried
+
+
+def test_a_server_killed_by_an_illegal_instruction_says_so_and_how_to_build_one_that_runs(fake_binary, started,
+                                                                                          monkeypatch):
+    monkeypatch.setenv("FAKE_LLAMA_MODE", "illegal-instruction")
+    with pytest.raises(SpeculaError, match="it was killed by SIGILL .*README's llama.cpp section.*threadpool init"):
+        with LlamaServer(fake_binary, ["-m", "model.gguf"]):
+            pass
 
 
 def test_runner_sends_each_turn_and_reads_the_answer(fake_binary, started, tmp_path):

@@ -33,6 +33,23 @@ MISSING = ("llama.cpp's llama-server was not found: pass --llama-server PATH (or
            "[bench]), or set SPECULA_LLAMA_SERVER=/path/to/llama-server")
 
 
+def _how_it_ended(status: int | None) -> str:
+    """How a process ended, from its exit status (negative: the signal that killed it)."""
+    if status is None:
+        return "stopped answering"
+    if status >= 0:
+        return f"exited with status {status}"
+    try:
+        name = signal.Signals(-status).name
+    except ValueError:
+        name = f"signal {-status}"
+    if -status in (signal.SIGILL, signal.SIGSEGV, signal.SIGBUS):
+        # seen on an Intel VM: a -DGGML_NATIVE=ON build used AMX tile instructions the kernel does not allow
+        return (f"was killed by {name} (a build for instructions this CPU or its kernel does not allow? the "
+                f"README's llama.cpp section says how to build without them)")
+    return f"was killed by {name}"
+
+
 class LlamaServerNotInstalled(SpeculaError):
     """No llama-server was named (flag, config or environment) and none is on PATH."""
 
@@ -124,10 +141,11 @@ class LlamaServer:
                     preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
             if self._wait_ready():
                 return
-            tail = self.log_tail()
+            tail, ended = self.log_tail(), _how_it_ended(self.process.poll())
             self._stop()
             if "bind" not in tail.lower() or attempt == self.attempts:  # only a lost port race is worth a retry
-                raise SpeculaError(f"llama-server did not start ({' '.join(command)}); its last output: {tail}")
+                raise SpeculaError(f"llama-server did not start ({' '.join(command)}): it {ended}; its last output: "
+                                   f"{tail}")
 
     def _wait_ready(self) -> bool:
         """True once /health answers 200; False if the process ended; SpeculaError after the timeout."""
