@@ -22,8 +22,9 @@ int4). A tied head then stops sharing its weight with the embedding, which stays
   file's own model rather than a requantization of it.
 - ``q4_1``: the same 4-bit groups as GGUF Q4_1 blocks, multiplied by Specula's own AVX2 kernel with the
   activations rounded to 8-bit codes per 32 inputs, as llama.cpp computes (`specula.kernels.q4_1`, built on
-  the machine with its C++ compiler; CPU only). Measured on SmolLM2-135M (one token, 2 threads, AMD EPYC
-  AVX2): its matmuls take half the time of ``int4``'s, and a k-token pass grows more slowly with k.
+  the machine with its C++ compiler; CPU only; a 512-bit path with the same results where the CPU has
+  AVX-512 VNNI). Measured on SmolLM2-135M (one token, 2 threads, AMD EPYC AVX2): its matmuls take half the
+  time of ``int4``'s, and a k-token pass grows more slowly with k.
 - ``auto``: the format `specula calibrate` chose for this target on this device type and recorded in
   its hardware profile (``auto_weights``): the fastest one-token step among the formats whose greedy
   output matched vanilla's with no real divergence (`specula.bench.calibrate.choose_weights`). Which
