@@ -50,12 +50,13 @@ def test_a_cached_choice_is_reused_without_measuring(cache, monkeypatch, columns
 
 
 @pytest.mark.parametrize("damage", ["{not json", "[1, 2]", '{"KEY": {"columns": "yes"}}'])
-def test_an_unreadable_cache_is_measured_again_and_rewritten(cache, monkeypatch, damage):
+def test_an_unreadable_cache_is_measured_again_and_rewritten(cache, monkeypatch, damage, capsys):
     cache.write_text(damage.replace("KEY", float32_layout.machine_key()))
     monkeypatch.setattr(float32_layout, "measure", lambda: ([10.0, 20.0], [5.0, 6.0]))
     assert float32_layout.columns_layout_pays() is True
     entry = json.loads(cache.read_text())[float32_layout.machine_key()]
     assert entry["columns"] is True and entry["f_linear_ms"] == [10.0, 20.0]
+    assert "timed this CPU's float32 matmul layouts once" in capsys.readouterr().err  # one line, said once
 
 
 def test_columns_are_chosen_only_when_clearly_faster(cache, monkeypatch):
