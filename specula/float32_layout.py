@@ -46,14 +46,17 @@ MARGIN = 0.9
 
 
 def machine_key() -> str:
-    """The CPU model, torch version and thread count: what the choice depends on."""
+    """The CPU model and vector ISA, torch version and thread count: what the choice depends on."""
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as info:
             cpu = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), cpu)
     except OSError:
         pass
-    return f"{cpu} | torch {torch.__version__} | {torch.get_num_threads()} threads"
+    # A VM may name its CPU only generically ("Intel(R) Xeon(R) Processor"): the vector ISA torch picked helps
+    # tell such machines apart.
+    isa = torch.backends.cpu.get_cpu_capability()
+    return f"{cpu} | {isa} | torch {torch.__version__} | {torch.get_num_threads()} threads"
 
 
 def columns_layout_pays() -> bool:
