@@ -10,7 +10,7 @@ and by a factor of two to three either way. Measured with torch 2.13.0 (MKL), 2 
 
 So no fixed choice is right. `columns_layout_pays()` times both layouts on float32 weights far larger than a
 core's cache (as a decoding step streams its weights), for 1 and 4 rows, and keeps the answer in
-``float32-layout.json`` in Specula's cache, keyed by CPU model, torch version and thread count, so every
+``float32-layout.json`` in Specula's cache, keyed by CPU model, vector ISA, torch version and thread count, so every
 later load on the machine makes the same choice without measuring (a model's float32 rounding then does not
 depend on a timing taken in that process). ``SPECULA_FLOAT32_LAYOUT=columns`` or ``=rows`` decides without
 measuring. Either layout computes the same products and sums in float32, possibly in another order.
