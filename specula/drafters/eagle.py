@@ -239,7 +239,8 @@ class EagleDrafter:
         min(1, p/q): far more often than a point-mass top-k guess is accepted with p(x).
         """
         if self._params.greedy:
-            best = torch.topk(log_probs, count, dim=-1)
+            # One child (the CPU default): a max is ~0.15 ms cheaper than topk over 49,152 tokens per draft.
+            best = log_probs.max(dim=-1, keepdim=True) if count == 1 else torch.topk(log_probs, count, dim=-1)
             return best.indices, best.values, None
         q = probabilities(log_probs, self._params)
         tokens = torch.multinomial(q, count, replacement=True, generator=self._generator)
