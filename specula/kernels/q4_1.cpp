@@ -137,32 +137,6 @@ inline void group_rows(const uint8_t* packed, const S* scales, const int8_t* q, 
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * out_stride, _mm256_add_ps(acc[r], acc_m[r]));
 }
 
-template <int R, typename S>
-inline void write_group(const uint8_t* packed, const S* scales, const int8_t* q, const float* dx,
-                        const float* sx, int64_t g, int64_t i0, int64_t K, float* y, int64_t N) {
-  const int64_t n0 = g * kLanes;
-  if (n0 + kLanes <= N) {
-    group_rows<R, S>(packed, scales, q, dx, sx, g, i0, K, y + i0 * N + n0, N);
-    return;
-  }
-  float tile[R * kLanes];  // the last group of an N that is not a multiple of 8: its padding lanes are dropped
-  group_rows<R, S>(packed, scales, q, dx, sx, g, i0, K, tile, kLanes);
-  for (int r = 0; r < R; ++r) std::memcpy(y + (i0 + r) * N + n0, tile + r * kLanes, (N - n0) * sizeof(float));
-}
-
-template <typename S>
-void group_tiles(const uint8_t* packed, const S* scales, const int8_t* q, const float* dx, const float* sx,
-                 int64_t g, int64_t c0, int64_t c1, int64_t K, float* y, int64_t N) {
-  int64_t i0 = c0;
-  for (; i0 + kRowTile <= c1; i0 += kRowTile) write_group<4, S>(packed, scales, q, dx, sx, g, i0, K, y, N);
-  switch (c1 - i0) {
-    case 3: write_group<3, S>(packed, scales, q, dx, sx, g, i0, K, y, N); break;
-    case 2: write_group<2, S>(packed, scales, q, dx, sx, g, i0, K, y, N); break;
-    case 1: write_group<1, S>(packed, scales, q, dx, sx, g, i0, K, y, N); break;
-    default: break;
-  }
-}
-
 #define SPECULA_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
 
 SPECULA_AVX512 inline __m512 load16(const float* first, const float* second) {
@@ -222,28 +196,40 @@ SPECULA_AVX512 inline void pair_rows(const uint8_t* packed, const S* scales, con
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * out_stride, _mm512_add_ps(acc[r], acc_m[r]));
 }
 
-template <int R, typename S>
-SPECULA_AVX512 inline void write_pair(const uint8_t* packed, const S* scales, const int8_t* q, const float* dx,
-                                      const float* sx, int64_t g, int64_t i0, int64_t K, float* y, int64_t N) {
+// The G * 8 outputs of groups g .. g + G - 1 (G = 1: the AVX2 path, G = 2: the AVX-512 one) for rows
+// i0 .. i0 + R - 1, written to y; when the last of them is N's partial group, through a tile whose padding
+// lanes are dropped.
+template <int G, int R, typename S>
+inline void write_groups(const uint8_t* packed, const S* scales, const int8_t* q, const float* dx,
+                         const float* sx, int64_t g, int64_t i0, int64_t K, float* y, int64_t N) {
+  constexpr int64_t width = G * kLanes;
+  const auto rows = [&](float* out, int64_t out_stride) {
+    if constexpr (G == 1) {
+      group_rows<R, S>(packed, scales, q, dx, sx, g, i0, K, out, out_stride);
+    } else {
+      pair_rows<R, S>(packed, scales, q, dx, sx, g, i0, K, out, out_stride);
+    }
+  };
   const int64_t n0 = g * kLanes;
-  if (n0 + 2 * kLanes <= N) {
-    pair_rows<R, S>(packed, scales, q, dx, sx, g, i0, K, y + i0 * N + n0, N);
+  if (n0 + width <= N) {
+    rows(y + i0 * N + n0, N);
     return;
   }
-  float tile[R * 2 * kLanes];  // the second group is N's partial last one: its padding lanes are dropped
-  pair_rows<R, S>(packed, scales, q, dx, sx, g, i0, K, tile, 2 * kLanes);
-  for (int r = 0; r < R; ++r) std::memcpy(y + (i0 + r) * N + n0, tile + r * 2 * kLanes, (N - n0) * sizeof(float));
+  float tile[R * width];
+  rows(tile, width);
+  for (int r = 0; r < R; ++r) std::memcpy(y + (i0 + r) * N + n0, tile + r * width, (N - n0) * sizeof(float));
 }
 
-template <typename S>
-SPECULA_AVX512 void pair_tiles(const uint8_t* packed, const S* scales, const int8_t* q, const float* dx,
-                               const float* sx, int64_t g, int64_t c0, int64_t c1, int64_t K, float* y, int64_t N) {
+// Groups g .. g + G - 1 for rows c0 .. c1 - 1: tiles of 4 rows, then one of 3, 2 or 1.
+template <int G, typename S>
+void row_tiles(const uint8_t* packed, const S* scales, const int8_t* q, const float* dx, const float* sx,
+               int64_t g, int64_t c0, int64_t c1, int64_t K, float* y, int64_t N) {
   int64_t i0 = c0;
-  for (; i0 + kRowTile <= c1; i0 += kRowTile) write_pair<4, S>(packed, scales, q, dx, sx, g, i0, K, y, N);
+  for (; i0 + kRowTile <= c1; i0 += kRowTile) write_groups<G, 4, S>(packed, scales, q, dx, sx, g, i0, K, y, N);
   switch (c1 - i0) {
-    case 3: write_pair<3, S>(packed, scales, q, dx, sx, g, i0, K, y, N); break;
-    case 2: write_pair<2, S>(packed, scales, q, dx, sx, g, i0, K, y, N); break;
-    case 1: write_pair<1, S>(packed, scales, q, dx, sx, g, i0, K, y, N); break;
+    case 3: write_groups<G, 3, S>(packed, scales, q, dx, sx, g, i0, K, y, N); break;
+    case 2: write_groups<G, 2, S>(packed, scales, q, dx, sx, g, i0, K, y, N); break;
+    case 1: write_groups<G, 1, S>(packed, scales, q, dx, sx, g, i0, K, y, N); break;
     default: break;
   }
 }
@@ -273,9 +259,9 @@ void multiply(const torch::Tensor& q, const torch::Tensor& dx, const torch::Tens
         const int64_t c1 = std::min(M, c0 + kRowChunk);
         for (int64_t u = u0; u < u1; ++u) {
           if (2 * u + 1 < groups) {
-            pair_tiles<S>(packed_, scales_, q_, dx_, sx_, 2 * u, c0, c1, K, y_, N);
+            row_tiles<2, S>(packed_, scales_, q_, dx_, sx_, 2 * u, c0, c1, K, y_, N);
           } else {
-            group_tiles<S>(packed_, scales_, q_, dx_, sx_, 2 * u, c0, c1, K, y_, N);
+            row_tiles<1, S>(packed_, scales_, q_, dx_, sx_, 2 * u, c0, c1, K, y_, N);
           }
         }
       }
@@ -286,7 +272,7 @@ void multiply(const torch::Tensor& q, const torch::Tensor& dx, const torch::Tens
     // Rows in chunks whose codes stay in cache while every group of the range reads them.
     for (int64_t c0 = 0; c0 < M; c0 += kRowChunk) {
       const int64_t c1 = std::min(M, c0 + kRowChunk);
-      for (int64_t g = g0; g < g1; ++g) group_tiles<S>(packed_, scales_, q_, dx_, sx_, g, c0, c1, K, y_, N);
+      for (int64_t g = g0; g < g1; ++g) row_tiles<1, S>(packed_, scales_, q_, dx_, sx_, g, c0, c1, K, y_, N);
     }
   });
 }
