@@ -33,10 +33,8 @@ MISSING = ("llama.cpp's llama-server was not found: pass --llama-server PATH (or
            "[bench]), or set SPECULA_LLAMA_SERVER=/path/to/llama-server")
 
 
-def _how_it_ended(status: int | None) -> str:
+def _how_it_ended(status: int) -> str:
     """How a process ended, from its exit status (negative: the signal that killed it)."""
-    if status is None:
-        return "stopped answering"
     if status >= 0:
         return f"exited with status {status}"
     try:
