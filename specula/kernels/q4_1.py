@@ -18,15 +18,13 @@ from __future__ import annotations
 
 import functools
 import os
-import shutil
-import sys
 from pathlib import Path
 
 import torch
 
 from specula.errors import SpeculaError
-from specula.kernels import has_cpp_compiler
-from specula.model_source import cache_dir
+from specula.kernels import avx2_build_problem, build
+from specula.kernels import build_directory as kernel_directory
 
 SOURCE = Path(__file__).with_name("q4_1.cpp")
 AVX512_VARIABLE = "SPECULA_Q4_1_AVX512"
@@ -35,35 +33,12 @@ FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]
 
 def build_directory() -> Path:
     """Where the compiled kernel lives, per torch version (an extension is tied to the torch it was built for)."""
-    return cache_dir() / "kernels" / f"q4_1-torch{torch.__version__.replace('+', '-')}"
+    return kernel_directory("q4_1")
 
 
 def unavailable_reason(device: torch.device | str = "cpu") -> str | None:
     """Why the kernel cannot run on ``device`` here (before trying to build it), or None."""
-    device = torch.device(device)
-    if device.type != "cpu":
-        return f"the q4_1 kernel runs on CPUs only, not on '{device}'"
-    capability = torch.backends.cpu.get_cpu_capability()
-    if capability not in ("AVX2", "AVX512"):
-        return f"the q4_1 kernel needs an x86 CPU with AVX2 (this CPU: {capability})"
-    if not has_cpp_compiler():
-        return "building the q4_1 kernel needs a C++ compiler (install g++)"
-    if _ninja() is None:
-        return "building the q4_1 kernel needs ninja (pip install ninja)"
-    return None
-
-
-def _ninja() -> str | None:
-    """The ninja executable: the `ninja` package's (in the venv, which need not be on PATH), else PATH's."""
-    try:
-        import ninja
-
-        candidate = Path(ninja.BIN_DIR) / "ninja"
-        if candidate.exists():
-            return str(candidate)
-    except ImportError:
-        pass
-    return shutil.which("ninja")
+    return avx2_build_problem("q4_1", device)
 
 
 @functools.cache
@@ -72,24 +47,7 @@ def load() -> torch._ops.OpOverloadPacket:
     reason = unavailable_reason()
     if reason:
         raise SpeculaError(reason)
-    from torch.utils.cpp_extension import load as load_extension
-
-    directory = build_directory()
-    directory.mkdir(parents=True, exist_ok=True)
-    if not (directory / "specula_q4_1.so").exists():  # a rebuild after a source change is silent, like torch's
-        print(f"specula: building the q4_1 kernel once for this machine (about 30 s) in {directory}",
-              file=sys.stderr, flush=True)
-    # torch runs "ninja" from PATH; a venv's own ninja is not on it unless the venv is activated.
-    ninja_dir = str(Path(_ninja()).parent)
-    if ninja_dir not in os.environ.get("PATH", "").split(os.pathsep):
-        os.environ["PATH"] = ninja_dir + os.pathsep + os.environ.get("PATH", "")
-    try:
-        load_extension(name="specula_q4_1", sources=[str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
-                       build_directory=str(directory), is_python_module=False, verbose=False)
-    except (RuntimeError, OSError, ImportError) as err:
-        log = directory / "build.log"  # torch's first line is the command; the compiler's words come later
-        log.write_text(str(err), encoding="utf-8")
-        raise SpeculaError(f"could not build the q4_1 kernel in {directory} (the compiler's output: {log})") from err
+    build("q4_1", SOURCE, FLAGS)
     op = torch.ops.specula.q4_1_linear
     if os.environ.get(AVX512_VARIABLE) == "0":
         torch.ops.specula.q4_1_use_avx512(False)

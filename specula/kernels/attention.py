@@ -1,0 +1,77 @@
+"""The cached-attention kernel: a few query rows over a KV cache, built once per machine from ``attention.cpp``.
+
+``torch.ops.specula.cached_attention(q float32 [1, H, n, d], keys, values float32 [1, Hkv, A, d], mask bool
+[.., n, >= end] or None, end int64 0-d CPU tensor, scale) → float32 [1, H, n, d]``: each query row attends over
+cache slots [0, end) that its mask row marks. It needs an x86 CPU with AVX2 and FMA and a C++ compiler
+(``scripts/install.sh`` builds it, about 20 s); `kernel` is None where it cannot run, and attention then
+goes through torch's SDPA (`specula.static_cache` chooses per block).
+
+Why: in a decode or verify step of a small model each layer attends a few rows over a few hundred slots,
+microseconds of arithmetic, and torch's SDPA (called from a custom op) took ~70 us per layer around it.
+SmolLM2 q4_1, compiled, one token after 300 (Intel Xeon, AVX-512, 2 threads, torch profiler over 20 steps):
+attention 2.17 → 0.82 ms per step, the whole step 8.0 → 4.8 ms (the linears also ran faster after it).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from specula.errors import SpeculaError
+from specula.kernels import avx2_build_problem, build
+from specula.kernels import build_directory as kernel_directory
+
+SOURCE = Path(__file__).with_name("attention.cpp")
+FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+DISABLE_VARIABLE = "SPECULA_ATTENTION_KERNEL"  # "0": attend through SDPA (to compare)
+
+
+def unavailable_reason(device: torch.device | str = "cpu") -> str | None:
+    """Why the kernel cannot run on ``device`` here (before trying to build it), or None."""
+    return avx2_build_problem("attention", device)
+
+
+@functools.cache
+def load() -> torch._ops.OpOverloadPacket:
+    """The ``torch.ops.specula.cached_attention`` op, building it first if this machine has no build yet."""
+    reason = unavailable_reason()
+    if reason:
+        raise SpeculaError(reason)
+    build("attention", SOURCE, FLAGS)
+
+    @torch.library.register_fake("specula::cached_attention")
+    def _shape(q, keys, values, mask, end, scale):  # lets torch.compile trace through the op
+        return q.new_empty(q.shape)  # contiguous, as the kernel returns it
+
+    return torch.ops.specula.cached_attention
+
+
+_UNDECIDED = object()
+_kernel = _UNDECIDED
+
+
+def kernel() -> torch._ops.OpOverloadPacket | None:
+    """The op where it runs on this machine's CPU (built if need be), else None: decided once per process,
+    so that every step of a target attends the same way. `specula.compiled_step` decides before tracing
+    (the graph then reads the answer as a constant)."""
+    global _kernel
+    if _kernel is _UNDECIDED:
+        _kernel = None
+        if os.environ.get(DISABLE_VARIABLE) != "0" and unavailable_reason() is None:
+            try:
+                _kernel = load()
+            except SpeculaError as err:  # e.g. the compiler failed: SDPA computes the same attention, more slowly
+                print(f"specula: {err}; attention goes through torch's SDPA instead", file=sys.stderr, flush=True)
+    return _kernel
+
+
+if __name__ == "__main__":  # `python -m specula.kernels.attention`: build now (scripts/install.sh)
+    try:
+        load()
+        print(f"attention kernel ready in {kernel_directory('attention')}")
+    except SpeculaError as err:
+        print(f"attention kernel unavailable on this machine (SDPA instead): {err}")
