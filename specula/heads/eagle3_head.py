@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specula.errors import SpeculaError
+from specula.heads.base import top_of
 from specula.heads.checkpoint import build_module, load_checked, load_state_dict, read_config, save_module
 from specula.heads.eagle_head import CONFIG_KEYS, llama_config
 from specula.static_cache import StaticKVCache, block_attention_mask, decoder_layer_step, rotary_function
@@ -231,6 +232,13 @@ class Eagle3Head(nn.Module):
         full = draft.new_full((draft.shape[0], self.vocab_size), -math.inf)
         full[:, self.target_vocab_ids()] = draft
         return full
+
+    @torch.no_grad()
+    def top_tokens(self, predicted: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``count`` likeliest draft tokens per row as target ids [n, count], with their log-probabilities
+        [n, count]: from the draft vocabulary's logits alone, never widened to the target's vocabulary."""
+        draft_ids, log_probs = top_of(self.draft_logits(predicted), count)
+        return self.draft_to_target(draft_ids), log_probs
 
     @torch.no_grad()
     def step(self, features: torch.Tensor, token_embeds: torch.Tensor, positions: torch.Tensor,

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from specula.heads.base import top_of
 from specula.heads.checkpoint import build_module, load_checked, load_state_dict, read_config, save_module
 from specula.static_cache import StaticKVCache, block_attention_mask, decoder_layer_step, rotary_function
 from specula.target import FeatureRequest, ForwardOutput, Target
@@ -116,14 +117,22 @@ class EagleHead(nn.Module):
         object.__setattr__(self, "_lm_head", weakref.ref(target.model.get_output_embeddings()))
         return self
 
-    def token_log_probs(self, predicted: torch.Tensor) -> torch.Tensor:
-        """Log-probabilities [n, V] over the target vocabulary from predicted features [n, H]."""
+    def logits(self, predicted: torch.Tensor) -> torch.Tensor:
+        """Logits [n, V] of the target's LM head over predicted features [n, H]."""
         lm_head = self.__dict__["_lm_head"]() if "_lm_head" in self.__dict__ else None
         if lm_head is None:
             raise RuntimeError("EagleHead.attach(target) must be called before drafting")
         # A quantized LM head (specula.weights) casts its input itself and has no float weight.
         dtype = lm_head.weight.dtype if isinstance(lm_head, nn.Linear) else predicted.dtype
-        return torch.log_softmax(lm_head(predicted.to(dtype)).float(), dim=-1)
+        return lm_head(predicted.to(dtype))
+
+    def token_log_probs(self, predicted: torch.Tensor) -> torch.Tensor:
+        """Log-probabilities [n, V] over the target vocabulary from predicted features [n, H]."""
+        return torch.log_softmax(self.logits(predicted).float(), dim=-1)
+
+    def top_tokens(self, predicted: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``count`` likeliest tokens per row [n, count] and their log-probabilities [n, count]."""
+        return top_of(self.logits(predicted), count)
 
     @torch.no_grad()
     def step(self, features: torch.Tensor, token_embeds: torch.Tensor, positions: torch.Tensor,
