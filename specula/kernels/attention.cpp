@@ -189,7 +189,8 @@ at::Tensor cached_attention(const at::Tensor& q, const at::Tensor& keys, const a
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(specula, library) {
-  library.def("cached_attention(Tensor q, Tensor keys, Tensor values, Tensor? mask, Tensor end, float scale) -> Tensor");
+  library.def(
+      "cached_attention(Tensor q, Tensor keys, Tensor values, Tensor? mask, Tensor end, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specula, CPU, library) { library.impl("cached_attention", &cached_attention); }
