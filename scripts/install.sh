@@ -17,4 +17,5 @@ fi
 # compiled here once, not in the user's first run. A machine without AVX2 or a C++ compiler goes without them
 # (one line each says why): no q4_1 format, and attention through torch's SDPA.
 .venv/bin/python -m specula.kernels.q4_1
-.venv/bin/python -m specula.kernels.attention
+# (through -c: `import specula` itself imports the attention module, which `-m` would then run a second time)
+.venv/bin/python -c 'from specula.kernels import attention; print(attention.build_report())'

@@ -69,9 +69,14 @@ def kernel() -> torch._ops.OpOverloadPacket | None:
     return _kernel
 
 
-if __name__ == "__main__":  # `python -m specula.kernels.attention`: build now (scripts/install.sh)
+def build_report() -> str:
+    """Build the kernel now if this machine has no build, and say what happened (`scripts/install.sh` prints it)."""
     try:
         load()
-        print(f"attention kernel ready in {kernel_directory('attention')}")
+        return f"attention kernel ready in {kernel_directory('attention')}"
     except SpeculaError as err:
-        print(f"attention kernel unavailable on this machine (SDPA instead): {err}")
+        return f"attention kernel unavailable on this machine (SDPA instead): {err}"
+
+
+if __name__ == "__main__":
+    print(build_report())
