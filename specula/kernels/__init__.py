@@ -57,7 +57,11 @@ def build_directory(kernel: str) -> Path:
 
 
 def build(kernel: str, source: Path, flags: list[str]) -> None:
-    """Build ``source`` into ``specula_<kernel>.so`` (unless this machine has it) and load its ops."""
+    """Build ``source`` into ``specula_<kernel>.so`` (unless this machine has it) and load its ops; SpeculaError
+    saying why where it cannot be built (`avx2_build_problem`) or the build fails."""
+    reason = avx2_build_problem(kernel)
+    if reason:
+        raise SpeculaError(reason)
     directory = build_directory(kernel)
     directory.mkdir(parents=True, exist_ok=True)
     name = f"specula_{kernel}"
