@@ -22,6 +22,7 @@ the one whose dequantized weight equals the loaded model's.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +38,8 @@ _LAYER_TENSORS = {
 }
 _BLOCK_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
 CARRIED_TYPES = ("Q4_0", "Q4_1")
+EMBEDDING = "model.embed_tokens"
+EMBEDDING_TYPES = ("Q8_0",)  # an embedding kept as the file's blocks (`specula.block_embedding`)
 
 
 def module_name(gguf_name: str, tied_head: bool) -> str | None:
@@ -73,32 +76,62 @@ def llama_row_order(rows: int, heads: int) -> torch.Tensor:
     return torch.arange(rows).reshape(heads, half, 2).transpose(1, 2).reshape(rows)
 
 
-def read_linear_blocks(gguf_file: str | Path, tied_head: bool) -> dict[str, tuple[str, np.ndarray, tuple[int, int]]]:
-    """{module name: (type name, raw uint8 [N, bytes per row], (N, K))} of the file's Q4_0/Q4_1 linear weights."""
+@dataclass(frozen=True)
+class FileBlocks:
+    """Where one tensor's blocks are in a GGUF file: ``kind`` (``Q4_1``, ...), ``shape`` (N, K) of the weight.
+
+    `raw` reads them with plain file reads when they are needed: pages of a memory-mapped file count as the
+    process's memory for as long as the mapping lives (reading all of SmolLM2's blocks through one held ~90 MiB
+    until loading ended).
+    """
+
+    kind: str
+    path: Path
+    offset: int
+    n_bytes: int
+    shape: tuple[int, int]
+
+    def raw(self) -> np.ndarray:
+        """uint8 [N, bytes per row]."""
+        data = np.empty(self.n_bytes, dtype=np.uint8)
+        with open(self.path, "rb") as handle:
+            handle.seek(self.offset)
+            if handle.readinto(memoryview(data)) != self.n_bytes:
+                raise ValueError(f"{self.path} ends inside a tensor's blocks")
+        return data.reshape(self.shape[0], -1)
+
+
+def read_linear_blocks(gguf_file: str | Path, tied_head: bool) -> dict[str, FileBlocks]:
+    """{module name: FileBlocks} of the file's Q4_0/Q4_1 linear weights, and of its embedding (`EMBEDDING`) when
+    that is stored as Q8_0 blocks."""
     from gguf import GGUFReader
 
     found = {}
     for tensor in GGUFReader(str(gguf_file)).tensors:
-        name = module_name(tensor.name, tied_head)
         kind = tensor.tensor_type.name
-        if name is None or kind not in CARRIED_TYPES or len(tensor.shape) != 2:
+        if tensor.name == "token_embd.weight" and kind in EMBEDDING_TYPES:
+            name = EMBEDDING
+        elif kind in CARRIED_TYPES:
+            name = module_name(tensor.name, tied_head)
+        else:
+            continue
+        if name is None or len(tensor.shape) != 2:
             continue
         k, n = (int(d) for d in tensor.shape)  # GGUF lists the innermost dimension first
-        found[name] = (kind, np.asarray(tensor.data), (n, k))
+        found[name] = FileBlocks(kind, Path(gguf_file), int(tensor.data_offset), int(tensor.n_bytes), (n, k))
     return found
 
 
-def carried_groups(blocks: tuple[str, np.ndarray, tuple[int, int]], loaded: torch.Tensor,
-                   heads: int | None) -> Int4Groups | None:
+def carried_groups(blocks: FileBlocks, loaded: torch.Tensor, heads: int | None) -> Int4Groups | None:
     """The file's blocks as int4 groups in the loaded weight's row order, or None if they do not reproduce it.
 
     ``loaded`` [N, K] is the model's weight (the file dequantized by `transformers`); ``heads`` the number of
     heads whose rows llama.cpp may have permuted (attn_q, attn_k), else None.
     """
-    kind, raw, shape = blocks
+    shape = blocks.shape
     if tuple(loaded.shape) != shape:
         return None
-    groups = blocks_to_groups(raw, kind, shape)
+    groups = blocks_to_groups(blocks.raw(), blocks.kind, shape)
     reference = loaded.detach().float().cpu()
     tolerance = 1e-6 * float(reference.abs().max()) + 1e-30  # one rounding of the Q4_1 zero, a few ulp
     orders = [None] + ([llama_row_order(shape[0], heads)] if heads and shape[0] % (2 * heads) == 0 else [])

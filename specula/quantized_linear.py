@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +47,9 @@ Q4_1_N_MULTIPLE = 8  # the q4_1 kernel's outputs come in groups of 8 (specula.ke
 # more rows whenever K is not a multiple of 16 (K = 24, 168, 1544 crash; 16, 160, 176, 1536 do not): inputs
 # and weights are padded with zeros to a multiple of 16.
 INT8_K_MULTIPLE = 16
+# Rows quantized or packed at a time (a multiple of 64, the CPU int4 packing's row block, so packing in chunks
+# gives the very same bytes): bounds a conversion's temporaries to a chunk's, not a whole LM head's.
+ROW_CHUNK = 4096
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -84,18 +88,32 @@ def int4_groups(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> Int4Group
 
     A partial last group is padded by repeating the row's last value, so padding never widens its range.
     """
-    n, k = weight.shape
+    return int4_groups_of_rows(lambda start, stop: weight[start:stop], tuple(weight.shape), group_size)
+
+
+def int4_groups_of_rows(read_rows: Callable[[int, int], torch.Tensor], shape: tuple[int, int],
+                        group_size: int = GROUP_SIZE) -> Int4Groups:
+    """`int4_groups` of a weight of ``shape`` (N, K) read ``read_rows(start, stop)`` → [stop - start, K] at a time,
+    `ROW_CHUNK` rows each: groups never span rows, so the result is the same, and the float temporaries stay
+    a chunk's (the 49,152-row LM head of SmolLM2 held ~200 MiB of them at once)."""
+    n, k = shape
     kp = _round_up(k, group_size)
-    w = weight.detach().float()
-    if kp != k:
-        w = F.pad(w[None], (0, kp - k), mode="replicate")[0]
-    grouped = w.reshape(n, kp // group_size, group_size)
-    low, high = grouped.amin(dim=-1), grouped.amax(dim=-1)
-    scale = (high - low) / 15
-    # A constant group has no range: any positive scale reproduces it (its codes are all 0).
-    scale = torch.where(scale > 0, scale, torch.full_like(scale, 1e-12))
-    q = torch.round((grouped - low[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.uint8)
-    return Int4Groups(q.reshape(n, kp), scale, low + 8 * scale, k, group_size)
+    q = torch.empty(n, kp, dtype=torch.uint8)
+    scale, zero = torch.empty(n, kp // group_size), torch.empty(n, kp // group_size)
+    for start in range(0, n, ROW_CHUNK):
+        stop = min(start + ROW_CHUNK, n)
+        w = read_rows(start, stop).detach().float()
+        if kp != k:
+            w = F.pad(w[None], (0, kp - k), mode="replicate")[0]
+        grouped = w.reshape(stop - start, kp // group_size, group_size)
+        low, high = grouped.amin(dim=-1), grouped.amax(dim=-1)
+        step = (high - low) / 15
+        # A constant group has no range: any positive scale reproduces it (its codes are all 0).
+        step = torch.where(step > 0, step, torch.full_like(step, 1e-12))
+        codes = torch.round((grouped - low[..., None]) / step[..., None]).clamp_(0, 15)
+        q[start:stop] = codes.reshape(stop - start, kp)
+        scale[start:stop], zero[start:stop] = step, low + 8 * step
+    return Int4Groups(q, scale, zero, k, group_size)
 
 
 def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,7 +195,7 @@ class Int4Linear(_KernelLinear):
         self.cuda = device.type == "cuda"
         self.compute_dtype = torch.bfloat16 if self.cuda else compute_dtype  # the CUDA kernel has no other
         np_ = _round_up(n, INT4_N_MULTIPLE)
-        q = groups.q.to(torch.int32)
+        q = groups.q
         scale, zero = groups.scale.float(), groups.zero.float()
         if np_ != n:  # padding rows: code 8 and zero 0 make them exact zeros
             q = F.pad(q, (0, 0, 0, np_ - n), value=8)
@@ -185,9 +203,11 @@ class Int4Linear(_KernelLinear):
             zero = F.pad(zero, (0, 0, 0, np_ - n), value=0.0)
         q = q.to(device)
         if self.cuda:
+            q = q.to(torch.int32)
             packed = torch.ops.aten._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8), 2)
-        else:
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
+        else:  # the CPU packing takes int32 codes: four bytes per code, so a chunk of rows at a time
+            packed = torch.cat([torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                q[start:start + ROW_CHUNK].to(torch.int32).contiguous(), 1) for start in range(0, np_, ROW_CHUNK)])
         self.register_buffer("packed", packed)
         scale_and_zero = torch.stack([scale.t(), zero.t()], dim=-1).to(device=device, dtype=self.compute_dtype)
         self.register_buffer("scale_and_zero", scale_and_zero.contiguous())  # [Kp / G, Np, 2]

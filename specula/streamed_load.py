@@ -17,13 +17,17 @@ The result equals that path's exactly (same tensors, same conversion; `tests/tes
 from __future__ import annotations
 
 import json
+import math
 import struct
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from specula.weights import LAYER_LINEARS, LinearConverter, WeightsReport, linear_names, replace_submodule, trim_heap
+from specula.block_embedding import Q8_0Embedding
+from specula.gguf_blocks import EMBEDDING
+from specula.heap import large_frees_returned, trim_heap
+from specula.weights import LAYER_LINEARS, LinearConverter, WeightsReport, linear_names, replace_submodule
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -52,7 +56,18 @@ class _SafetensorsIndex:
 
     def read(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         """The tensor ``name`` read from its file into memory of its own, floating types cast to ``dtype``."""
-        file, stored, shape, begin, end = self.entries[name]
+        _, _, shape, begin, end = self.entries[name]
+        return self._read(name, begin, end, shape, dtype)
+
+    def read_rows(self, name: str, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``start:stop`` (dimension 0) of the tensor ``name``, read alone like `read`."""
+        _, stored, shape, begin, _ = self.entries[name]
+        row_bytes = stored.itemsize * math.prod(shape[1:])
+        return self._read(name, begin + start * row_bytes, begin + stop * row_bytes, (stop - start, *shape[1:]),
+                          dtype)
+
+    def _read(self, name: str, begin: int, end: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        file, stored = self.entries[name][:2]
         buffer = bytearray(end - begin)
         with open(file, "rb") as handle:
             handle.seek(begin)
@@ -62,6 +77,7 @@ class _SafetensorsIndex:
         return tensor.to(dtype) if tensor.is_floating_point() else tensor
 
 
+@large_frees_returned()
 def load_converted(model_dir: Path, config, torch_dtype: torch.dtype, fmt: str,
                    gguf_file: str | Path | None = None) -> tuple[nn.Module, WeightsReport] | None:
     """The CPU model of ``model_dir`` (a checked HF directory of a Llama-family ``config``) with its decoder layers'
@@ -84,18 +100,28 @@ def load_converted(model_dir: Path, config, torch_dtype: torch.dtype, fmt: str,
     if not index.known or stored != expected:
         return None
     converter = LinearConverter(fmt, config, "cpu", gguf_file)
+    embedding = _block_embedding(converter, index, torch_dtype)
+    if embedding is not None:
+        replace_submodule(model, EMBEDDING, embedding)
+        stored.pop(f"{EMBEDDING}.weight")
+        trim_heap()
     for name in linear_names(len(model.model.layers), lm_head=True):
         meta = model.get_submodule(name)
+        if tied and name == "lm_head":
+            # A tied LM head is read from the embedding (it becomes a matrix of its own; the embedding is only
+            # looked up): from its blocks where it has them, row chunks at a time.
+            read_rows = embedding.rows if embedding is not None else (
+                lambda start, stop: index.read_rows(f"{EMBEDDING}.weight", start, stop, torch_dtype))
+            replace_submodule(model, name, converter.convert_rows(name, read_rows, (meta.out_features,
+                                                                                   meta.in_features)))
+            continue
         linear = nn.Linear(meta.in_features, meta.out_features, bias=meta.bias is not None, device="meta")
-        # A tied LM head is read from the embedding, which stays float (it is looked up, never multiplied).
-        stored_name = "model.embed_tokens" if tied and name == "lm_head" else name
-        linear.weight = nn.Parameter(index.read(f"{stored_name}.weight", torch_dtype), requires_grad=False)
+        linear.weight = nn.Parameter(index.read(f"{name}.weight", torch_dtype), requires_grad=False)
         if meta.bias is not None:
             linear.bias = nn.Parameter(index.read(f"{name}.bias", torch_dtype), requires_grad=False)
         replace_submodule(model, name, converter.convert(name, linear))
-        if stored_name == name:
-            stored.pop(f"{name}.weight")
-            stored.pop(f"{name}.bias", None)
+        stored.pop(f"{name}.weight")
+        stored.pop(f"{name}.bias", None)
         if name.endswith(LAYER_LINEARS[-1]):
             # Each layer's float reads and conversion temporaries are freed, but glibc would keep them in holes
             # between the converted buffers: without this, the int4 SmolLM2 grew by 2.3 MB per linear (+480 MB).
@@ -108,3 +134,19 @@ def load_converted(model_dir: Path, config, torch_dtype: torch.dtype, fmt: str,
     model.eval().requires_grad_(False)
     trim_heap()
     return model, converter.report
+
+
+def _block_embedding(converter: LinearConverter, index: _SafetensorsIndex, dtype: torch.dtype
+                     ) -> Q8_0Embedding | None:
+    """The embedding as the GGUF file's own Q8_0 blocks, if the file has them and every row equals the stored one."""
+    if EMBEDDING not in converter.blocks:
+        return None
+    blocks = converter.blocks[EMBEDDING]
+    name = f"{EMBEDDING}.weight"
+    if name not in index.entries or index.entries[name][2] != blocks.shape:
+        return None
+    embedding = Q8_0Embedding.from_blocks(blocks.raw(), blocks.shape, dtype)
+    if not embedding.equals_rows(lambda start, stop: index.read_rows(name, start, stop, dtype)):
+        return None
+    converter.report.embedding = blocks.kind
+    return embedding

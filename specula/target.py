@@ -42,7 +42,7 @@ from specula.static_cache import (
     rotary_function,
 )
 from specula.streamed_load import load_converted
-from specula.weights import GROUPED_FORMATS, quantize_linear_weights, resolve_weights
+from specula.weights import quantize_linear_weights, resolve_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LLAMA_FAMILY = {"llama", "mistral", "qwen2", "qwen3"}
@@ -243,12 +243,13 @@ class Target:
              gguf_blocks: bool = True) -> Target:
         """Load a target; ``weights`` is the format of its linears, LM head included (`specula.weights`).
 
-        gguf_blocks: when the target is a GGUF file with Q4_0/Q4_1 tensors and ``weights`` is int4 or q4_1, use the
-        file's own blocks rather than requantizing their dequantized values.
+        gguf_blocks: when the target is a GGUF file, use its own blocks where they give the same model: Q4_0/Q4_1
+        linears with int4 or q4_1 weights (rather than requantizing their dequantized values), and a Q8_0 embedding
+        with any format but float32 (`specula.block_embedding`: a quarter of the memory, the same rows).
         """
         # An unknown format fails before the model loads; auto is the hardware profile's measured choice.
         weights = resolve_weights(weights, load_profile(model_name(path)) if weights == "auto" else None, device)
-        source = gguf_source(path) if gguf_blocks and weights in GROUPED_FORMATS else None
+        source = gguf_source(path) if gguf_blocks and weights != "float32" else None
         model, tokenizer, report = load_converted_lm(path, dtype, device, role, weights, source)
         loaded = cls(model, tokenizer, max_length, name=model_name(path))
         loaded.path = Path(path)  # where it came from: bundled heads are found by it

@@ -41,9 +41,9 @@ running the kernel once on a tiny input before any layer is converted.
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,15 +52,18 @@ from torch import nn
 
 from specula.errors import SpeculaError
 from specula.float32_layout import columns_layout_pays
+from specula.heap import trim_heap
 from specula.profile import measured_on
 from specula.quantized_linear import (
     GROUP_SIZE,
     BFloat16Linear,
     Float32Linear,
+    Int4Groups,
     Int4Linear,
     Int8Linear,
     Q4_1Linear,
     int4_groups,
+    int4_groups_of_rows,
 )
 
 WEIGHT_FORMATS = ("auto", "float32", "bfloat16", "int8", "int4", "q4_1")
@@ -105,6 +108,7 @@ class WeightsReport:
     carried:     modules whose int4 groups are the GGUF file's own blocks, by name → block type.
     requantized: modules quantized from their float weights.
     bytes_before / bytes_after: storage of the replaced modules' weights (and scales).
+    embedding:   the GGUF block type the embedding is kept in (`specula.block_embedding`), None if float.
     """
 
     format: str
@@ -113,6 +117,7 @@ class WeightsReport:
     requantized: list[str] = field(default_factory=list)
     bytes_before: int = 0
     bytes_after: int = 0
+    embedding: str | None = None
 
     def summary(self) -> str:
         text = f"{self.format}: {len(self.converted)} linear layers"
@@ -120,6 +125,8 @@ class WeightsReport:
             text += f", {len(self.carried)} carried from GGUF blocks"
         if self.bytes_before:
             text += f", {self.bytes_before / 2**20:.1f} MiB -> {self.bytes_after / 2**20:.1f} MiB"
+        if self.embedding:
+            text += f"; embedding kept as the file's {self.embedding} blocks"
         return text
 
 
@@ -151,12 +158,17 @@ def _convert(linear: nn.Module, fmt: str, compute_dtype: torch.dtype, groups) ->
         return BFloat16Linear(linear)
     if fmt == "int8":
         return Int8Linear.from_linear(linear, compute_dtype)
-    if fmt == "int4":
-        return Int4Linear(groups if groups is not None else int4_groups(linear.weight), linear.bias, compute_dtype,
-                          linear.weight.device)
-    if fmt == "q4_1":
-        return Q4_1Linear(groups if groups is not None else int4_groups(linear.weight), linear.bias)
+    if fmt in GROUPED_FORMATS:
+        groups = groups if groups is not None else int4_groups(linear.weight)
+        return _from_groups(fmt, groups, linear.bias, compute_dtype, linear.weight.device)
     raise SpeculaError(f"unknown weights format {fmt!r}")
+
+
+def _from_groups(fmt: str, groups: Int4Groups, bias: torch.Tensor | None, compute_dtype: torch.dtype,
+                 device: torch.device | str) -> nn.Module:
+    if fmt == "int4":
+        return Int4Linear(groups, bias, compute_dtype, device)
+    return Q4_1Linear(groups, bias)
 
 
 def linear_names(n_layers: int, lm_head: bool = False) -> list[str]:
@@ -181,20 +193,42 @@ class LinearConverter:
         if self.fmt != "float32":
             check_available(self.fmt, device, compute_dtype)
         self.blocks = {}
-        if self.fmt in GROUPED_FORMATS and gguf_file is not None:
-            from specula.gguf_blocks import read_linear_blocks
+        if self.fmt != "float32" and gguf_file is not None:
+            from specula.gguf_blocks import EMBEDDING, read_linear_blocks
 
-            self.blocks = read_linear_blocks(gguf_file, bool(getattr(config, "tie_word_embeddings", False)))
+            blocks = read_linear_blocks(gguf_file, bool(getattr(config, "tie_word_embeddings", False)))
+            trim_heap()  # the reader parsed the whole vocabulary into Python objects (SmolLM2: ~160 MB, freed)
+            # Linears' blocks carry into the 4-bit formats only; a Q8_0 embedding's suit every format that gives
+            # the LM head a matrix of its own (`specula.streamed_load`).
+            self.blocks = {name: found for name, found in blocks.items()
+                           if self.fmt in GROUPED_FORMATS or name == EMBEDDING}
 
     def convert(self, name: str, linear: nn.Linear) -> nn.Module:
         """The module replacing ``linear`` (the module called ``name`` in the model) in this format."""
         groups = _carried(name, linear, self.blocks[name], self.config) if name in self.blocks else None
         if groups is not None:
-            self.report.carried[name] = self.blocks[name][0]
+            self.report.carried[name] = self.blocks[name].kind
         elif self.fmt in ("int8", *GROUPED_FORMATS):
             self.report.requantized.append(name)
-        replacement = _convert(linear, self.fmt, self.compute_dtype, groups)
-        self.report.bytes_before += _tensor_bytes(linear)
+        return self._converted(name, _tensor_bytes(linear), _convert(linear, self.fmt, self.compute_dtype, groups))
+
+    def convert_rows(self, name: str, read_rows: Callable[[int, int], torch.Tensor], shape: tuple[int, int],
+                     device: torch.device | str = "cpu") -> nn.Module:
+        """The module replacing the bias-free linear ``name`` whose weight of ``shape`` [N, K] is read
+        ``read_rows(start, stop)`` → [stop - start, K] at a time: the 4-bit formats quantize it chunk by chunk
+        and never hold it whole in float (an LM head tied to a block embedding, `specula.block_embedding`);
+        the other formats read it whole."""
+        if self.fmt not in GROUPED_FORMATS or name in self.blocks:
+            linear = nn.Linear(shape[1], shape[0], bias=False, device="meta")
+            linear.weight = nn.Parameter(read_rows(0, shape[0]), requires_grad=False)
+            return self.convert(name, linear)
+        self.report.requantized.append(name)
+        first = read_rows(0, 1)
+        replacement = _from_groups(self.fmt, int4_groups_of_rows(read_rows, shape), None, self.compute_dtype, device)
+        return self._converted(name, shape[0] * shape[1] * first.element_size(), replacement)
+
+    def _converted(self, name: str, bytes_before: int, replacement: nn.Module) -> nn.Module:
+        self.report.bytes_before += bytes_before
         self.report.bytes_after += _tensor_bytes(replacement)
         self.report.converted.append(name)
         return replacement
@@ -305,14 +339,6 @@ def _release_loaded_memory(model: nn.Module) -> None:
     copies.clear()
     gc.collect()
     trim_heap()
-
-
-def trim_heap() -> None:
-    """Hand freed heap memory back to the operating system (glibc keeps it, fragmented, otherwise)."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to trim, or no way to ask
-        pass
 
 
 def _carried(name: str, linear: nn.Linear, blocks, config):

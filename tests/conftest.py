@@ -164,10 +164,12 @@ def no_machine_profile(tmp_path_factory):
 # ---------------------------------------------------------------- GGUF files and the default chat model
 
 
-def write_tiny_gguf(path: Path, architecture: str = "llama", seed: int = 0, quantize: dict | None = None) -> Path:
+def write_tiny_gguf(path: Path, architecture: str = "llama", seed: int = 0, quantize: dict | None = None,
+                    tied: bool = False) -> Path:
     """A random 2-layer Llama GGUF (float32, gpt2-style BPE tokenizer, ChatML template) small enough to convert
     in a second; ``architecture`` names something else to get a file `transformers` refuses. ``quantize`` maps
-    tensor base names (``attn_q``, ``ffn_down``, ``output``, ...) to the gguf block type to store them in."""
+    tensor base names (``attn_q``, ``ffn_down``, ``output``, ...) to the gguf block type to store them in;
+    ``tied`` leaves the output tensor out (the LM head is the embedding, as in SmolLM2's file)."""
     import gguf
     import numpy as np
 
@@ -210,7 +212,8 @@ def write_tiny_gguf(path: Path, architecture: str = "llama", seed: int = 0, quan
     head_dim = hidden // heads
     add("token_embd.weight", "token_embd", weight(vocab, hidden))
     writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
-    add("output.weight", "output", weight(vocab, hidden))
+    if not tied:
+        add("output.weight", "output", weight(vocab, hidden))
     for i in range(2):
         for name, shape in [("attn_q", (heads * head_dim, hidden)), ("attn_k", (kv_heads * head_dim, hidden)),
                             ("attn_v", (kv_heads * head_dim, hidden)), ("attn_output", (hidden, hidden)),

@@ -38,10 +38,11 @@ from specula.decoding import generate_tokens
 from specula.divergence import NEAR_TIE, REAL
 from specula.drafters.vanilla import VanillaDrafter
 from specula.errors import SpeculaError
+from specula.heap import trim_heap
 from specula.methods import build_speculator, get_method, resolve_draft
 from specula.sampling import SamplingParams
 from specula.target import FeatureRequest
-from specula.weights import WEIGHT_FORMATS, check_available, resolve_weights, trim_heap
+from specula.weights import WEIGHT_FORMATS, check_available, resolve_weights
 
 VERIFY_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 

@@ -67,6 +67,7 @@ def use_avx512(enabled: bool) -> bool:
 
 
 LANES = 8  # outputs per group: one per 32-bit lane of an AVX2 vector
+PACK_GROUPS = 512  # groups of outputs packed at a time (4,096 rows)
 
 
 def pack(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,18 +79,31 @@ def pack(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.T
     """
     n, k = codes.shape
     groups, blocks = -(-n // LANES), k // 32
-    pad = groups * LANES - n
-    codes = torch.nn.functional.pad(codes.to(torch.uint8), (0, 0, 0, pad))
-    # [g, o, b, p, half, t] with input 8p + 4 half + t of block b → [g, b, p, half, o, t]
-    steps = codes.reshape(groups, LANES, blocks, 4, 2, 4).permute(0, 2, 3, 4, 1, 5).reshape(groups, blocks, 4, 2, 32)
-    packed = (steps[:, :, :, 0] | steps[:, :, :, 1] << 4).contiguous()
-    per_group = [torch.nn.functional.pad(t.float(), (0, 0, 0, pad)).reshape(groups, LANES, blocks).transpose(1, 2)
-                 for t in (d, m)]
-    scales = torch.stack(per_group, dim=2).contiguous()
+    packed = torch.empty(groups, blocks, 4, 32, dtype=torch.uint8)
+    scales = torch.empty(groups, blocks, 2, LANES)
+    # PACK_GROUPS groups of outputs at a time: a 49,152-row LM head packed whole held ~70 MB of temporaries.
+    for first in range(0, groups, PACK_GROUPS):
+        last = min(first + PACK_GROUPS, groups)
+        rows = slice(first * LANES, min(last * LANES, n))
+        packed[first:last], scales[first:last] = _pack_groups(codes[rows], d[rows], m[rows])
     # One token's step reads every weight once: float16 scales make that a quarter fewer bytes, and they are
     # exact for a GGUF file's own blocks (stored in float16); other scales keep float32.
     exact_in_half = torch.equal(scales.half().float(), scales)
     return packed, scales.half() if exact_in_half else scales
+
+
+def _pack_groups(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`pack` of rows [n, K] (n <= groups * 8; the last group padded) → (packed, float32 scales) of their groups."""
+    n, k = codes.shape
+    groups, blocks = -(-n // LANES), k // 32
+    pad = groups * LANES - n
+    codes = torch.nn.functional.pad(codes.to(torch.uint8), (0, 0, 0, pad))
+    # [g, o, b, p, half, t] with input 8p + 4 half + t of block b → [g, b, p, half, o, t]
+    steps = codes.reshape(groups, LANES, blocks, 4, 2, 4).permute(0, 2, 3, 4, 1, 5).reshape(groups, blocks, 4, 2, 32)
+    packed = steps[:, :, :, 0] | steps[:, :, :, 1] << 4
+    per_group = [torch.nn.functional.pad(t.float(), (0, 0, 0, pad)).reshape(groups, LANES, blocks).transpose(1, 2)
+                 for t in (d, m)]
+    return packed, torch.stack(per_group, dim=2)
 
 
 def unpack(packed: torch.Tensor, scales: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
