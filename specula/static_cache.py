@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specula.heap import trim_heap
 from specula.kernels.attention import kernel as attention_kernel
 from specula.quantized_linear import fuse_outputs
 
@@ -63,6 +64,9 @@ class StaticKVCache:
                 new = old.new_zeros((*old.shape[:2], size, old.shape[3]))
                 new[:, :, :old.shape[2]] = old
                 buffers[i] = new
+        # The smaller buffers just freed sit between other allocations, where glibc would keep them for good
+        # (SmolLM2, 512 → 1,024 slots: +42 MiB resident instead of +24).
+        trim_heap()
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store a block's keys/values [1, n_kv, n, d] after the prefix; returns views of everything so far."""
