@@ -92,6 +92,18 @@ def test_top_tokens_are_the_best_of_the_log_probabilities_in_target_ids(stories_
     torch.testing.assert_close(log_probs, expected.values)
 
 
+def test_drafted_logits_are_the_draft_vocabulary_rows_of_the_log_probabilities(stories_target):
+    """Sampled drafts are drawn over the draft vocabulary: its logits, widened, give `token_log_probs`."""
+    draft_vocab = torch.tensor([3, 9, 10, 200, 511])
+    head = Eagle3Head.for_target(stories_target.config, draft_vocab=draft_vocab, feature_layers=list(STORY_LAYERS))
+    features = torch.randn(3, 64)
+    logits, ids = head.drafted_logits(features)
+    assert logits.shape == (3, 5) and ids.tolist() == draft_vocab.tolist()
+    torch.testing.assert_close(torch.log_softmax(logits, -1), head.token_log_probs(features)[:, ids])
+    logits, ids = Eagle3Head.for_target(stories_target.config).drafted_logits(features)
+    assert ids is None and logits.shape == (3, 512)
+
+
 def test_full_vocabulary_head_has_no_mapping(stories_target):
     head = Eagle3Head.for_target(stories_target.config)
     assert head.d2t is None and head.t2d is None

@@ -253,9 +253,15 @@ class EagleDrafter:
         if self._params.greedy:
             tokens, log_confidences = self.head.top_tokens(features, count)
             return tokens, log_confidences, None
-        q = probabilities(self.head.token_log_probs(features), self._params)
-        tokens = torch.multinomial(q, count, replacement=True, generator=self._generator)
-        return tokens, torch.log(q.gather(-1, tokens)), q
+        # Drawn over the tokens the head can draft (EAGLE-3: its draft vocabulary, a sixth of SmolLM2's), the
+        # distribution then widened with zeros to the target's vocabulary for the acceptor.
+        logits, ids = self.head.drafted_logits(features)
+        q = probabilities(logits, self._params)
+        drawn = torch.multinomial(q, count, replacement=True, generator=self._generator)
+        confidences = torch.log(q.gather(-1, drawn))
+        if ids is None:
+            return drawn, confidences, q
+        return ids[drawn], confidences, q.new_zeros(q.shape[0], self.target.vocab_size).index_copy_(1, ids, q)
 
     def _feed(self, nodes: _Nodes, frontier: torch.Tensor, parent_features: torch.Tensor, fed: torch.Tensor,
               committed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -51,6 +51,11 @@ class DraftHead(Protocol):
     def token_log_probs(self, predicted: torch.Tensor) -> torch.Tensor:
         """Log-probabilities [n, V] over the target vocabulary (-inf for tokens the head never drafts)."""
 
+    def drafted_logits(self, predicted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logits [n, Vd] over the tokens the head can draft, their target ids int64 [Vd] — None when they are
+        the target's whole vocabulary in order): sampled drafts are drawn in this space (EAGLE-3 on SmolLM2:
+        8,192 tokens of 49,152), and only their distribution is widened to the target's vocabulary."""
+
     def top_tokens(self, predicted: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``count`` likeliest tokens per row, as target ids int64 [n, count], with their log-probabilities
         [n, count] (`top_of` the head's logits): greedy drafting needs no whole log-probability rows."""

@@ -226,12 +226,17 @@ class Eagle3Head(nn.Module):
     @torch.no_grad()  # drafting only; training reads draft_logits
     def token_log_probs(self, predicted: torch.Tensor) -> torch.Tensor:
         """Log-probabilities [n, V] over the target vocabulary (-inf outside the draft vocabulary)."""
-        draft = torch.log_softmax(self.draft_logits(predicted).float(), dim=-1)
-        if self.d2t is None:
+        logits, ids = self.drafted_logits(predicted)
+        draft = torch.log_softmax(logits.float(), dim=-1)
+        if ids is None:
             return draft
         full = draft.new_full((draft.shape[0], self.vocab_size), -math.inf)
-        full[:, self.target_vocab_ids()] = draft
+        full[:, ids] = draft
         return full
+
+    def drafted_logits(self, predicted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logits [n, Vd] over the draft vocabulary, its target ids [Vd], or None without a mapping)."""
+        return self.draft_logits(predicted), None if self.d2t is None else self.target_vocab_ids()
 
     @torch.no_grad()
     def top_tokens(self, predicted: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -130,6 +130,10 @@ class EagleHead(nn.Module):
         """Log-probabilities [n, V] over the target vocabulary from predicted features [n, H]."""
         return torch.log_softmax(self.logits(predicted).float(), dim=-1)
 
+    def drafted_logits(self, predicted: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """(logits [n, V] over the target vocabulary, None): an EAGLE head drafts any token."""
+        return self.logits(predicted), None
+
     def top_tokens(self, predicted: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``count`` likeliest tokens per row [n, count] and their log-probabilities [n, count]."""
         return top_of(self.logits(predicted), count)
