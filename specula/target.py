@@ -123,6 +123,14 @@ def check_model_dir(path: str | Path, role: str = "model") -> Path:
     return model_dir
 
 
+def hidden_dtype(model) -> torch.dtype:
+    """The dtype of the model's hidden states (and KV cache): what its embedding outputs. Not its first
+    parameter's: with a block embedding (`specula.block_embedding`, buffers only) the first parameter can be a
+    bfloat16 linear's weight while the states stay float32."""
+    embedding = model.get_input_embeddings()
+    return getattr(embedding, "dtype", None) or embedding.weight.dtype
+
+
 def load_causal_lm(path: str | Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
                    role: str = "model"):
     """Load (model, tokenizer) from a local directory; never touches the network."""
@@ -227,7 +235,7 @@ class Target:
         self.name = name
         self.config = model.config
         self.device = next(model.parameters()).device
-        self.dtype = next(model.parameters()).dtype
+        self.dtype = hidden_dtype(model)
         head = model.get_output_embeddings()  # a quantized head (specula.weights) has no float weight
         self.vocab_size = int(getattr(head, "out_features", None) or head.weight.shape[0])
         self.weights = "float32"  # the format of the linear weights (decoder layers and LM head) (specula.weights)
@@ -364,7 +372,7 @@ class _LlamaFamilyRuntime:
         self.layers = list(model.model.layers)
         param = next(model.parameters())
         self.cache = StaticKVCache(len(self.layers), config.num_key_value_heads, self.layers[0].self_attn.head_dim,
-                                   capacity, param.dtype, param.device)
+                                   capacity, hidden_dtype(model), param.device)
         self.apply_rope = rotary_function(self.layers[0])
         mistral_window = getattr(config, "sliding_window", None) if config.model_type == "mistral" else None
         self.windows = [getattr(layer.self_attn, "sliding_window", None) or mistral_window for layer in self.layers]

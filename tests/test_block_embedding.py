@@ -51,13 +51,15 @@ def q8_embedding_gguf(tmp_path_factory):
     return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny-q8-embedding.gguf", quantize=kinds, tied=True)
 
 
-@pytest.mark.parametrize("fmt", ["int4", "int8", pytest.param("q4_1", marks=Q4_1_READY)])
+@pytest.mark.parametrize("fmt", ["int4", "int8", "bfloat16", pytest.param("q4_1", marks=Q4_1_READY)])
 def test_a_quantized_target_keeps_the_q8_0_embedding_as_blocks_and_decodes_as_before(q8_embedding_gguf, fmt):
     blocks = Target.load(q8_embedding_gguf, weights=fmt)
     floats = Target.load(q8_embedding_gguf, weights=fmt, gguf_blocks=False)  # the embedding as a float table
     assert isinstance(blocks.model.get_input_embeddings(), Q8_0Embedding)
     assert blocks.weights_report.embedding == "Q8_0" and "Q8_0 blocks" in blocks.weights_report.summary()
     assert not isinstance(floats.model.get_input_embeddings(), Q8_0Embedding)
+    # The hidden states and KV cache stay float32 though the first parameter may now be a bfloat16 linear's.
+    assert blocks.dtype == floats.dtype == torch.float32 and blocks.runtime.cache.keys[0].dtype == torch.float32
     ids = torch.arange(floats.vocab_size)
     assert torch.equal(blocks.model.get_input_embeddings()(ids), floats.model.get_input_embeddings()(ids))
     prompt = torch.tensor([1, 7, 9, 4, 12])
