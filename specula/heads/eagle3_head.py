@@ -234,6 +234,7 @@ class Eagle3Head(nn.Module):
         full[:, ids] = draft
         return full
 
+    @torch.no_grad()
     def drafted_logits(self, predicted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(logits [n, Vd] over the draft vocabulary, its target ids [Vd], or None without a mapping)."""
         return self.draft_logits(predicted), None if self.d2t is None else self.target_vocab_ids()

@@ -130,6 +130,7 @@ class EagleHead(nn.Module):
         """Log-probabilities [n, V] over the target vocabulary from predicted features [n, H]."""
         return torch.log_softmax(self.logits(predicted).float(), dim=-1)
 
+    @torch.no_grad()
     def drafted_logits(self, predicted: torch.Tensor) -> tuple[torch.Tensor, None]:
         """(logits [n, V] over the target vocabulary, None): an EAGLE head drafts any token."""
         return self.logits(predicted), None
