@@ -40,6 +40,12 @@ constexpr int64_t kBlock = 32;
 constexpr int64_t kLanes = 8;       // outputs per group
 constexpr int64_t kRowChunk = 32;   // rows whose codes stay in L1 while a thread's groups read them
 constexpr int64_t kRowTile = 4;     // rows sharing one unpacked weight vector
+// Blocks of a group's weights and scales prefetched ahead of the one being multiplied. A group's row of K / 32
+// blocks is short (18 blocks, 2.3 KB, for K = 576) and the next group's follows it, too short a stream for the
+// hardware prefetcher to ramp up on. Measured on an Intel Xeon (AVX-512), SmolLM2 compiled q4_1 steps after a
+// 300-token prefix, interleaved: 1 / 2 / 4 tokens 8.35 / 10.14 / 12.63 ms without, 7.36 / 8.32 / 9.31 ms with
+// 64 blocks (8 KB of weights) ahead; 32 blocks 7.82 / 8.81 / 10.24 without the scales, 128 no better.
+constexpr int64_t kAhead = 64;
 
 inline __m256i round_to_int(__m256 v) {
   return _mm256_cvtps_epi32(_mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
@@ -97,6 +103,13 @@ inline __m256i broadcast4(const int8_t* codes) {  // 4 input codes repeated in e
   return _mm256_set1_epi32(four);
 }
 
+template <typename S>
+inline void prefetch_block(const uint8_t* weights, const S* scales) {  // one group's block: 128 + 32 or 64 bytes
+  _mm_prefetch(reinterpret_cast<const char*>(weights), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(weights + 64), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(scales), _MM_HINT_T0);
+}
+
 // The 8 outputs of group g for rows i0 .. i0 + R - 1, written to out[r * out_stride + o].
 template <int R, typename S>
 inline void group_rows(const uint8_t* packed, const S* scales, const int8_t* q, const float* dx,
@@ -109,6 +122,7 @@ inline void group_rows(const uint8_t* packed, const S* scales, const int8_t* q, 
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) acc[r] = acc_m[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
+    prefetch_block(wg + (b + kAhead) * 4 * 32, sg + (b + kAhead) * 2 * kLanes);  // never faults, even past the end
     __m256i sums[R];
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) sums[r] = _mm256_setzero_si256();
@@ -161,6 +175,8 @@ SPECULA_AVX512 inline void pair_rows(const uint8_t* packed, const S* scales, con
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) acc[r] = acc_m[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
+    prefetch_block(wg + (b + kAhead) * 4 * 32, sg + (b + kAhead) * 2 * kLanes);  // never faults, even past the end
+    prefetch_block(wh + (b + kAhead) * 4 * 32, sh + (b + kAhead) * 2 * kLanes);
     __m512i sums[R];
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) sums[r] = _mm512_setzero_si512();
