@@ -22,6 +22,7 @@ import time
 
 import specula
 from specula.certify import read_prompts
+from specula.compiled_step import WARM_UP_BLOCK
 from specula.errors import SpeculaError
 from specula.sampling import SamplingParams
 
@@ -48,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", default=None, help="default: the bundled SmolLM2-135M-Instruct")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0, help="seed of prompt i is seed + i (with --temperature)")
+    parser.add_argument("--compile", action="store_true",
+                        help="a compiled target, its block sizes compiled before any prompt is timed")
     args = parser.parse_args(argv)
     try:
         SamplingParams(temperature=args.temperature)  # refused before minutes of loading, not at the first prompt
@@ -55,8 +58,11 @@ def main(argv: list[str] | None = None) -> int:
             raise SpeculaError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
         prompts = read_prompts(args.prompts)
         settings = [parse_setting(text) for text in args.settings]
-        base = specula.load(args.target, method="vanilla", weights=args.weights, profile=False)
+        base = specula.load(args.target, method="vanilla", weights=args.weights, profile=False, compile=args.compile)
         speculators = [specula.load(base.target, method, profile=False, **options) for method, options in settings]
+        if args.compile:  # no timed prompt pays for compiling a block size, as in `specula bench`
+            for speculator in speculators:
+                base.target.warm_up(WARM_UP_BLOCK, speculator.drafter.features)
     except SpeculaError as err:
         print(f"tree_sweep: {err}", file=sys.stderr)
         return 2

@@ -221,3 +221,51 @@ def test_fine_tuning_refuses_settings_that_contradict_the_head(capfd, eagle3_hea
         assert main(base + extra) == 2
         err = capfd.readouterr().err
         assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_compiled_head_step_computes_what_the_eager_step_computes(stories_target):
+    """The head's steps under --compile (padded to the compiled sizes, the greedy draft's top tokens in the same
+    graph) give the eager step's outputs, top tokens and cache: float32, where only Inductor's sums differ."""
+    from specula.compiled_step import HeadStep
+
+    torch.manual_seed(3)
+    head = Eagle3Head.for_target(stories_target.config, feature_layers=list(STORY_LAYERS)).eval()
+    steps = {kind: HeadStep(head, compile=kind == "compiled", device=torch.device("cpu"))
+             for kind in ("eager", "compiled")}
+    caches = {kind: head.new_cache(256) for kind in steps}
+    features, embeds = torch.randn(24, 3 * 64), torch.randn(24, 64)
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # two children of the first pair
+    outs = {}
+    for kind, step in steps.items():
+        cache = caches[kind]
+        step(features[:20], embeds[:20], torch.arange(20), cache, None)  # the prompt: eager in both
+        cache.commit()
+        chain = step(features[20:22], embeds[20:22], torch.arange(20, 22), cache, None, top=3)  # a catch-up
+        cache.commit()
+        mask = torch.ones(1, 1, 3, 25, dtype=torch.bool)
+        mask[0, 0, :, 22:] = tree
+        grown = step(chain[0][-1:].expand(3, -1), embeds[21:24], torch.tensor([22, 23, 23]), cache, mask,
+                     own_features=True)
+        cache.commit()
+        outs[kind] = (chain, grown, cache.keys[0][:, :, :cache.length])
+    (chain, grown, keys), (chain_c, grown_c, keys_c) = outs["eager"], outs["compiled"]
+    torch.testing.assert_close(chain_c[0], chain[0], atol=1e-5, rtol=1e-5)
+    assert torch.equal(chain_c[1], chain[1])  # the same top tokens, in target ids
+    torch.testing.assert_close(chain_c[2], chain[2], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grown_c, grown, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(keys_c, keys, atol=1e-5, rtol=1e-5)
+
+
+def test_eagle3_on_a_compiled_target_drafts_compiled_and_decodes_what_transformers_decodes(eagle3_head_dir):
+    speculator = specula.load(STORIES, method="eagle3", draft=eagle3_head_dir, dtype="float32", compile=True,
+                              profile=False)
+    assert speculator.drafter.head_step.graph is not None
+    accepted = 0
+    for prompt in STORY_PROMPTS[16:18]:
+        ids = speculator.encode(prompt)
+        result = speculator.generate(ids, max_new_tokens=32, stop_on_eos=False)
+        expected = speculator.target.model.generate(ids[None], max_new_tokens=32, do_sample=False,
+                                                    min_new_tokens=32)[0, len(ids):]
+        assert result.token_ids == expected.tolist()
+        accepted += sum(result.stats.accepted_lengths)
+    assert accepted > 0  # the compiled one-node drafts were accepted

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specula.compiled_step import HeadStep
 from specula.errors import SpeculaError
 from specula.heads.base import DraftHead
 from specula.sampling import SamplingParams, probabilities
@@ -168,6 +169,9 @@ class EagleDrafter:
         self.head = head.to(device=target.device, dtype=target.dtype).attach(target)
         # Drafting follows the target's weight format: the head's numbers only change what is proposed.
         quantize_every_linear(self.head, target.weights)
+        # A compiled target's drafter compiles its head's steps too (after quantizing: the graph calls the
+        # format's kernels).
+        self.head_step = HeadStep(self.head, target.compiled, target.device)
         self.features = head.feature_request()
         self.embed = target.model.get_input_embeddings()
         self.dynamic = dynamic
@@ -215,12 +219,19 @@ class EagleDrafter:
         count = self.pending.shape[0]
         start = self.cache.length
         positions = torch.arange(start, start + count, device=context.device)
-        predicted = self.head.step(self.pending, self.embed(context[-count:]), positions, self.cache, None)
+        embeds = self.embed(context[-count:])
+        if depth == 1 and params.greedy:
+            # The root's children straight from the head's top tokens, in the same (compiled) call as the step.
+            ranks = self._one_level_ranks()
+            _, tokens, log_confidences = self.head_step(self.pending, embeds, positions, self.cache, None,
+                                                        top=max(ranks) + 1)
+            self.pending = None
+            self.cache.commit()
+            return self._one_level(tokens, log_confidences, ranks, context[-1:])
+        predicted = self.head_step(self.pending, embeds, positions, self.cache, None)
         self.pending = None
         self.cache.commit()
         root_feature = predicted[-1:]
-        if depth == 1 and params.greedy:
-            return self._one_level(root_feature, context[-1:])
         committed = self.cache.length
         try:
             nodes = self._grow(root_feature, depth) if self.dynamic else self._grow_static(root_feature, depth)
@@ -230,14 +241,18 @@ class EagleDrafter:
 
     # ---------------------------------------------------------------- tree growth
 
-    def _one_level(self, root_feature: torch.Tensor, root: torch.Tensor) -> DraftTree:
-        """A greedy tree of depth 1 (the CPU default): the root's children by rank, straight from the head's
-        top tokens — what growing and reranking would keep (a dynamic tree: its top min(top_k, total_tokens)
-        children, best first; a static one: the ranks its depth-1 paths name), without their bookkeeping,
-        ~0.3 ms of small tensor operations per draft on a CPU."""
-        ranks = (list(range(min(self.top_k, self.total_tokens))) if self.dynamic
-                 else [path[0] for path in self.choices if len(path) == 1])
-        tokens, log_confidences = self.head.top_tokens(root_feature, max(ranks) + 1)
+    def _one_level_ranks(self) -> list[int]:
+        """The ranks of the root's children a greedy tree of depth 1 keeps: what growing and reranking would
+        keep (a dynamic tree: its top min(top_k, total_tokens) children, best first; a static one: the ranks its
+        depth-1 paths name)."""
+        return (list(range(min(self.top_k, self.total_tokens))) if self.dynamic
+                else [path[0] for path in self.choices if len(path) == 1])
+
+    def _one_level(self, tokens: torch.Tensor, log_confidences: torch.Tensor, ranks: list[int],
+                   root: torch.Tensor) -> DraftTree:
+        """A greedy tree of depth 1 (the CPU default) from the head's top tokens [1, max(ranks) + 1] after the
+        root [1] and their log-probabilities, without the growing and reranking bookkeeping (~0.3 ms of small
+        tensor operations per draft on a CPU)."""
         if ranks != list(range(len(ranks))):
             tokens, log_confidences = tokens[:, ranks], log_confidences[:, ranks]
         confidences = torch.cat([torch.ones(1), log_confidences[0].float().exp().cpu()])
@@ -272,7 +287,7 @@ class EagleDrafter:
         mask = torch.ones(frontier.shape[0], committed + fed.shape[0], dtype=torch.bool, device=fed.device)
         mask[:, committed:] = nodes.ancestors[frontier][:, fed]
         positions = committed + nodes.depths[frontier] - 1
-        out = self.head.step(parent_features, self.embed(nodes.tokens[frontier]), positions, self.cache,
+        out = self.head_step(parent_features, self.embed(nodes.tokens[frontier]), positions, self.cache,
                              mask[None, None], own_features=True)
         self.cache.commit()
         return out, fed

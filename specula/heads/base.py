@@ -13,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from specula.static_cache import StaticKVCache
+from specula.static_cache import SlotBlock, StaticKVCache
 from specula.target import FeatureRequest, ForwardOutput, Target
 
 
@@ -43,10 +43,12 @@ class DraftHead(Protocol):
         """An empty KV cache for ``capacity`` pairs."""
 
     def step(self, features: torch.Tensor, token_embeds: torch.Tensor, positions: torch.Tensor,
-             cache: StaticKVCache, mask: torch.Tensor | None, own_features: bool = False) -> torch.Tensor:
+             cache: StaticKVCache, mask: torch.Tensor | None, own_features: bool = False,
+             slots: SlotBlock | None = None) -> torch.Tensor:
         """Predicted features [n, H] for n pairs after the cache: features [n, F] from the target (or [n, H],
         the head's own predictions, when ``own_features``), token_embeds [n, H], positions [n],
-        mask bool [1, 1, n, cache.length + n] or None for a causal chain."""
+        mask bool [1, 1, n, cache.length + n] or None for a causal chain. ``slots``: where a compiled step
+        writes the block (`specula.compiled_step.padded_block`); its mask then covers the whole allocation."""
 
     def token_log_probs(self, predicted: torch.Tensor) -> torch.Tensor:
         """Log-probabilities [n, V] over the target vocabulary (-inf for tokens the head never drafts)."""

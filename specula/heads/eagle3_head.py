@@ -42,7 +42,13 @@ from specula.errors import SpeculaError
 from specula.heads.base import top_of
 from specula.heads.checkpoint import build_module, load_checked, load_state_dict, read_config, save_module
 from specula.heads.eagle_head import CONFIG_KEYS, llama_config
-from specula.static_cache import StaticKVCache, block_attention_mask, decoder_layer_step, rotary_function
+from specula.static_cache import (
+    SlotBlock,
+    StaticKVCache,
+    block_attention_mask,
+    decoder_layer_step,
+    rotary_function,
+)
 from specula.target import FeatureRequest, ForwardOutput, Target
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -248,11 +254,13 @@ class Eagle3Head(nn.Module):
 
     @torch.no_grad()
     def step(self, features: torch.Tensor, token_embeds: torch.Tensor, positions: torch.Tensor,
-             cache: StaticKVCache, mask: torch.Tensor | None, own_features: bool = False) -> torch.Tensor:
+             cache: StaticKVCache, mask: torch.Tensor | None, own_features: bool = False,
+             slots: SlotBlock | None = None) -> torch.Tensor:
         """Layer outputs a [n, H] for n (feature, next-token embedding) pairs after the cache.
 
         features [n, L*H] from the target, or the head's own outputs [n, H] when ``own_features``.
-        positions [n]; mask bool [1, 1, n, cache.length + n] or None for a causal chain.
+        positions [n]; mask bool [1, 1, n, cache.length + n] or None for a causal chain; with ``slots`` (a
+        compiled step, `specula.compiled_step`) the mask covers the whole allocation [1, 1, n, allocated].
         """
         hidden = (features if own_features else self.fuse(features))[None]
         x = self._attention_input(hidden, token_embeds[None])
@@ -261,7 +269,7 @@ class Eagle3Head(nn.Module):
             mask = block_attention_mask(cache.length, positions, None)
         causal = mask is None and cache.length == 0
         return decoder_layer_step(self.midlayer, hidden, cos, sin, cache, 0, mask, causal, self.apply_rope,
-                                  attention_input=x)[0]
+                                  attention_input=x, slots=slots)[0]
 
     # ---------------------------------------------------------------- checkpoints (official layout)
 

@@ -25,7 +25,13 @@ from torch import nn
 
 from specula.heads.base import top_of
 from specula.heads.checkpoint import build_module, load_checked, load_state_dict, read_config, save_module
-from specula.static_cache import StaticKVCache, block_attention_mask, decoder_layer_step, rotary_function
+from specula.static_cache import (
+    SlotBlock,
+    StaticKVCache,
+    block_attention_mask,
+    decoder_layer_step,
+    rotary_function,
+)
 from specula.target import FeatureRequest, ForwardOutput, Target
 
 CONFIG_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
@@ -141,10 +147,12 @@ class EagleHead(nn.Module):
 
     @torch.no_grad()
     def step(self, features: torch.Tensor, token_embeds: torch.Tensor, positions: torch.Tensor,
-             cache: StaticKVCache, mask: torch.Tensor | None, own_features: bool = False) -> torch.Tensor:
+             cache: StaticKVCache, mask: torch.Tensor | None, own_features: bool = False,
+             slots: SlotBlock | None = None) -> torch.Tensor:
         """Predicted features [n, H] for a block of n (feature, next-token embedding) pairs after the cache.
 
-        positions [n]; mask bool [1, 1, n, cache.length + n] or None for a causal chain.
+        positions [n]; mask bool [1, 1, n, cache.length + n] or None for a causal chain; with ``slots`` (a
+        compiled step, `specula.compiled_step`) the mask covers the whole allocation [1, 1, n, allocated].
         ``own_features`` says the features are the head's own predictions (same input for EAGLE-1).
         """
         x = self.fc(torch.cat([token_embeds, features], dim=-1))[None]
@@ -153,7 +161,7 @@ class EagleHead(nn.Module):
             mask = block_attention_mask(cache.length, positions, None)
         causal = mask is None and cache.length == 0
         for i, layer in enumerate(self.layers):
-            x = decoder_layer_step(layer, x, cos, sin, cache, i, mask, causal, self.apply_rope)
+            x = decoder_layer_step(layer, x, cos, sin, cache, i, mask, causal, self.apply_rope, slots=slots)
         return x[0]
 
     # ---------------------------------------------------------------- checkpoints (official layout)
