@@ -161,7 +161,10 @@ class HeadStep:
         if self.graph is None or not fits(cache, n):
             return head_step(self.head, features, token_embeds, positions, cache, mask, own_features, None, last,
                              top)
-        cache.slot_step = max(cache.slot_step, CACHE_STEP)  # each allocated size is a shape: grow in large steps
+        # Each allocated size is a shape: start at, and grow in, large steps (as `Target.warm_up` reserves the
+        # target's), so that the graphs the first generation compiles are those of the next ones.
+        cache.slot_step = max(cache.slot_step, CACHE_STEP)
+        cache.reserve(CACHE_STEP)
         visible = block_attention_mask(cache.length, positions, None) if mask is None else mask
         slots, positions, full_mask = padded_block(cache, positions, visible)
         pad = (0, 0, 0, positions.shape[0] - n)
