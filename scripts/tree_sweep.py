@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0, help="seed of prompt i is seed + i (with --temperature)")
     parser.add_argument("--compile", action="store_true",
-                        help="a compiled target, its block sizes compiled before any prompt is timed")
+                        help="a compiled target (and heads), compiled before any prompt is timed")
     args = parser.parse_args(argv)
     try:
         SamplingParams(temperature=args.temperature)  # refused before minutes of loading, not at the first prompt
@@ -63,6 +63,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.compile:  # no timed prompt pays for compiling a block size, as in `specula bench`
             for speculator in speculators:
                 base.target.warm_up(WARM_UP_BLOCK, speculator.drafter.features)
+                # ... and a head's draft steps, which compile when first met
+                speculator.generate(prompts[0], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                    seed=args.seed)
     except SpeculaError as err:
         print(f"tree_sweep: {err}", file=sys.stderr)
         return 2
