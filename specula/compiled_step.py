@@ -1,4 +1,5 @@
-"""The Llama-family target's decode and verify step under `torch.compile`, with static shapes.
+"""The Llama-family target's decode and verify step under `torch.compile`, with static shapes, and an
+EAGLE head's draft step alongside it (`HeadStep`).
 
 In eager mode a one-token step of a small model is largely Python and dispatcher overhead: on
 SmolLM2-135M in int4 (2 threads) the matmul kernels take about 12 ms of a 27 ms step and some
