@@ -131,7 +131,7 @@ class CompiledStep:
 
 def head_step(head, features: torch.Tensor, token_embeds: torch.Tensor, positions: torch.Tensor,
               cache: StaticKVCache, mask: torch.Tensor | None, own_features: bool, slots: SlotBlock | None,
-              last: torch.Tensor, top: int):
+              last: torch.Tensor | None, top: int):
     """An EAGLE head's `step`, then with ``top`` > 0 its `top_tokens` for row ``last`` (int64 [1]) of the block:
     outputs [n, H], or (outputs, tokens [1, top], log-probabilities [1, top])."""
     out = head.step(features, token_embeds, positions, cache, mask, own_features, slots=slots)
@@ -158,7 +158,7 @@ class HeadStep:
                  cache: StaticKVCache, mask: torch.Tensor | None, own_features: bool = False, top: int = 0):
         """As `head_step` over n pairs after ``cache``, the top tokens (if ``top``) of the block's last row."""
         n = positions.shape[0]
-        last = torch.tensor([n - 1], device=positions.device)
+        last = torch.tensor([n - 1], device=positions.device) if top else None  # tree levels want no top tokens
         if self.graph is None or not fits(cache, n):
             return head_step(self.head, features, token_embeds, positions, cache, mask, own_features, None, last,
                              top)
