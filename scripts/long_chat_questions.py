@@ -19,7 +19,7 @@ from pathlib import Path
 
 from specula.bench.questions import read_questions
 from specula.errors import SpeculaError
-from specula.outputs import atomic_write_text
+from specula.files.outputs import atomic_write_text
 
 
 def conversations(source: str | Path, count: int, turns: int) -> list[dict]:

@@ -4,12 +4,12 @@ Every variant is loaded into this one process and timed interleaved (repeat r ru
 variant in a shuffled order), so a noisy neighbour slows all of them alike; the table shows medians.
 Peak and final RSS are measured per variant in a fresh subprocess (load + the prefix), since a
 process has only one peak. Variants without ``+head``/``@float32`` load as `Target.load` does (quantized
-layer by layer while reading, `specula.streamed_load`); the others load the float model whole first. The
+layer by layer while reading, `specula.runtime.streamed_load`); the others load the float model whole first. The
 KV cache is allocated for what the prefix and the timed blocks need (it grows on demand).
 The times are of `Target.forward` (all decoder layers and the LM head over k tokens after the
 committed prefix), not of a whole decoding method.
 
-Variants: a format of `specula.weights` (float32, bfloat16, int8, int4, q4_1), optionally with
+Variants: a format of `specula.runtime.weights` (float32, bfloat16, int8, int4, q4_1), optionally with
 ``-requant`` (int4 from a GGUF requantized from its dequantized floats instead of carrying the
 file's blocks), ``+head`` (the LM head in that format too) and ``@float32`` (int8/int4 kernels
 computing in float32 instead of bfloat16: exact but ~10x slower on AVX2), in that order:
@@ -38,9 +38,9 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from specula.model_source import DEFAULT_MODEL, gguf_source, model_name  # noqa: E402
-from specula.target import Target, load_causal_lm, load_converted_lm  # noqa: E402
-from specula.weights import GROUPED_FORMATS, KERNEL_DTYPE, quantize_linear_weights  # noqa: E402
+from specula.runtime.model_source import DEFAULT_MODEL, gguf_source, model_name  # noqa: E402
+from specula.runtime.target import Target, load_causal_lm, load_converted_lm  # noqa: E402
+from specula.runtime.weights import GROUPED_FORMATS, KERNEL_DTYPE, quantize_linear_weights  # noqa: E402
 
 QUESTIONS = REPO.parent / "shared" / "data" / "mt_bench" / "question.jsonl"
 DEFAULT_VARIANTS = ("float32", "bfloat16", "int8", "int4", "q4_1", "int8+head", "int4+head")

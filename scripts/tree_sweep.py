@@ -21,9 +21,9 @@ import sys
 import time
 
 import specula
-from specula.certify import read_prompts
-from specula.compiled_step import WARM_UP_BLOCK
+from specula.certify.check import read_prompts
 from specula.errors import SpeculaError
+from specula.runtime.compiled_step import WARM_UP_BLOCK
 from specula.sampling import SamplingParams
 
 

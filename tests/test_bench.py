@@ -21,9 +21,9 @@ from specula.cli import build_parser
 from specula.cli.bench import bench_settings
 from specula.decoding import node_records
 from specula.errors import SpeculaError
-from specula.profile import load_profile, profile_defaults, save_profile
+from specula.runtime.profile import load_profile, profile_defaults, save_profile
+from specula.runtime.weights import WEIGHT_FORMATS
 from specula.tree import DraftTree
-from specula.weights import WEIGHT_FORMATS
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
@@ -586,7 +586,7 @@ def test_calibrate_with_auto_weights_records_the_fastest_lossless_format(tmp_pat
 
 def test_a_format_with_a_real_divergence_is_never_chosen(tmp_path, story_questions, monkeypatch):
     import specula.bench.calibrate as calibration
-    import specula.certify as certify
+    import specula.certify.check as certify
     from specula.divergence import REAL, Divergence
 
     steps = {"float32": 4e-3, "bfloat16": 3e-3, "int8": 2e-3, "int4": 1e-3, "q4_1": 5e-3}  # int4 the fastest

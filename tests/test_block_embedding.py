@@ -11,10 +11,10 @@ from conftest import write_tiny_gguf
 from gguf import GGMLQuantizationType as Q
 
 from specula import quantized_linear
-from specula.block_embedding import Q8_0Embedding
+from specula.gguf.block_embedding import Q8_0Embedding
 from specula.kernels import q4_1
-from specula.quantized_linear import Int4Linear, int4_groups
-from specula.target import Target
+from specula.runtime.quantized_linear import Int4Linear, int4_groups
+from specula.runtime.target import Target
 
 Q4_1_READY = pytest.mark.skipif(q4_1.unavailable_reason() is not None, reason=f"q4_1: {q4_1.unavailable_reason()}")
 

@@ -12,8 +12,8 @@ from conftest import STORIES
 import specula
 import specula.cli.chat
 from specula import methods
-from specula.chat import encode_chat, end_of_turn_ids, template_end_ids
-from specula.chat_session import run_chat
+from specula.chat.session import run_chat
+from specula.chat.template import encode_chat, end_of_turn_ids, template_end_ids
 from specula.cli import main
 from specula.errors import SpeculaError
 
@@ -192,9 +192,9 @@ def test_generate_command_system_and_raw(chat_model, monkeypatch, capsys):
 
 def test_head_method_on_the_default_target_without_a_head_is_one_line(monkeypatch, capsys):
     # Heads for the default target land one by one; take eagle2's away so this pins the message, not the catalogue.
-    bundled = methods.DEFAULT_HEADS[methods.DEFAULT_TARGET]
+    bundled = methods.DEFAULT_HEADS[methods.DEFAULT_MODEL]
     without_eagle2 = {m: d for m, d in bundled.items() if m != "eagle2"}
-    monkeypatch.setitem(methods.DEFAULT_HEADS, methods.DEFAULT_TARGET, without_eagle2)
+    monkeypatch.setitem(methods.DEFAULT_HEADS, methods.DEFAULT_MODEL, without_eagle2)
     assert main(["generate", "--method", "eagle2", "--prompt", QUESTION]) == 2
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1

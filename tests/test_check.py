@@ -21,15 +21,15 @@ import specula.acceptance as acceptance
 import specula.drafters.draft_model as draft_model
 from specula.acceptance import Acceptor, accept_greedy
 from specula.api import Speculator
-from specula.certify import DEFAULT_PROMPTS
-from specula.check_report import EXIT_CERTIFIED, EXIT_INCONCLUSIVE, EXIT_NOT_LOSSLESS, SCHEMA
+from specula.certify.check import DEFAULT_PROMPTS
+from specula.certify.distribution_test import chi2_sf, chi_square
+from specula.certify.report import EXIT_CERTIFIED, EXIT_INCONCLUSIVE, EXIT_NOT_LOSSLESS, SCHEMA
 from specula.cli import main
-from specula.distribution_test import chi2_sf, chi_square
 from specula.divergence import NEAR_TIE, REAL, classify, relative_tolerance
 from specula.drafters.prompt_lookup import PromptLookupDrafter
 from specula.drafters.vanilla import VanillaDrafter
+from specula.runtime.target import Target
 from specula.sampling import probabilities, sample
-from specula.target import Target
 
 HEAD = Path(__file__).parent / "data" / "eagle-stories260k"
 # Small greedy part (the T > 0 part keeps the check's defaults: 300 samples x 2 prompts x 4 tokens).
@@ -279,7 +279,7 @@ def test_bench_greedy_divergences_are_split_into_near_ties_and_real(speculators)
 
 
 def test_prompts_go_through_the_chat_template_when_the_tokenizer_has_one(speculators, tmp_path):
-    from specula.certify import encode_prompt, read_prompts
+    from specula.certify.check import encode_prompt, read_prompts
 
     speculator = speculators["pld"]
     tokenizer = speculator.tokenizer

@@ -299,7 +299,7 @@ def test_typical_acceptance_is_opt_in_labelled_lossy_and_warned(capfd):
 
 
 def test_generate_takes_the_hardware_profile_unless_told_not_to(capfd, tmp_path, monkeypatch):
-    from specula.profile import save_profile
+    from specula.runtime.profile import save_profile
 
     monkeypatch.setenv("SPECULA_CACHE_DIR", str(tmp_path))
     save_profile({"target": "stories260k", "device": "cpu", "methods": {"pld": {"defaults": {"num_tokens": 1}}}},

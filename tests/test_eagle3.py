@@ -13,7 +13,7 @@ from conftest import STORIES, STORY_LAYERS, STORY_PROMPTS
 import specula
 from specula.errors import SpeculaError
 from specula.heads.eagle3_head import Eagle3Head, default_feature_layers, dense_ttt_attention, ttt_attention
-from specula.target import FeatureRequest
+from specula.runtime.target import FeatureRequest
 from specula.training.eagle3_trainer import choose_draft_vocab
 
 
@@ -196,7 +196,7 @@ def test_fine_tuning_starts_from_the_given_head_and_keeps_its_vocabulary(stories
 
 
 def test_a_bfloat16_head_loaded_as_float32_keeps_exact_rotary_frequencies(eagle3_head_dir, tmp_path):
-    from specula.formats import load_head
+    from specula.heads.formats import load_head
 
     Eagle3Head.from_pretrained(eagle3_head_dir, dtype=torch.bfloat16).save_pretrained(tmp_path)
     exact = Eagle3Head.from_pretrained(eagle3_head_dir, dtype=torch.float32).rotary_emb.inv_freq
@@ -226,7 +226,7 @@ def test_fine_tuning_refuses_settings_that_contradict_the_head(capfd, eagle3_hea
 def test_a_compiled_head_step_computes_what_the_eager_step_computes(stories_target):
     """The head's steps under --compile (padded to the compiled sizes, the greedy draft's top tokens in the same
     graph) give the eager step's outputs, top tokens and cache: float32, where only Inductor's sums differ."""
-    from specula.compiled_step import HeadStep
+    from specula.runtime.compiled_step import HeadStep
 
     torch.manual_seed(3)
     head = Eagle3Head.for_target(stories_target.config, feature_layers=list(STORY_LAYERS)).eval()

@@ -22,7 +22,7 @@ from test_lossless_sampling import (
 from specula.drafters.eagle import EagleDrafter
 from specula.heads.eagle3_head import Eagle3Head
 from specula.heads.eagle_head import EagleHead
-from specula.target import Target
+from specula.runtime.target import Target
 
 # Heads trained on stories260k's own continuations (recipes in their READMEs), small enough to keep here.
 HEAD = Path(__file__).parent / "data" / "eagle-stories260k"

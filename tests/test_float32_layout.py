@@ -8,10 +8,10 @@ import json
 import pytest
 from conftest import tiny_model
 
-from specula import float32_layout
 from specula.errors import SpeculaError
-from specula.quantized_linear import Float32Linear
-from specula.weights import FLOAT32_LAYOUT_MIN_ELEMENTS, quantize_linear_weights
+from specula.runtime import float32_layout
+from specula.runtime.quantized_linear import Float32Linear
+from specula.runtime.weights import FLOAT32_LAYOUT_MIN_ELEMENTS, quantize_linear_weights
 
 
 @pytest.fixture

@@ -11,8 +11,8 @@ from conftest import STORIES
 
 from specula.cli import main
 from specula.errors import SpeculaError
-from specula.formats import SPECULATORS_VERSION, convert, load_head
 from specula.heads.eagle3_head import Eagle3Head
+from specula.heads.formats import SPECULATORS_VERSION, convert, load_head
 
 LAYERS = [1, 2, 4]  # inputs of decoder layers 1, 2 and 4 of stories260k's 5
 

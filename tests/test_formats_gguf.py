@@ -18,9 +18,9 @@ import torch
 from conftest import STORIES
 
 from specula.cli import main
-from specula.formats import load_head
-from specula.gguf_vocab import add_hf_vocab, read_sentencepiece_model
+from specula.gguf.vocab import add_hf_vocab, read_sentencepiece_model
 from specula.heads.eagle3_head import Eagle3Head
+from specula.heads.formats import load_head
 
 HEAD = Path(__file__).resolve().parent / "data" / "eagle3-stories260k"  # hidden 64, draft vocabulary 256 of 512
 EAGLE1_HEAD = Path(__file__).resolve().parent / "data" / "eagle-stories260k"
@@ -155,7 +155,7 @@ def test_vocabulary_is_the_targets_sentencepiece_model(exported):
 
 
 def test_f32_weights_are_the_heads_with_rope_rows_interleaved(tmp_path, head):
-    from specula.formats_gguf import TENSOR_NAMES
+    from specula.gguf.heads import TENSOR_NAMES
 
     keys, tensors = read(export(tmp_path, "--outtype", "f32"))
     assert keys["general.file_type"] == ("UINT32", 0)

@@ -11,9 +11,9 @@ import torch
 from conftest import LLAMA2XS, STORIES
 
 import specula
+from specula.certify.exact_distribution import MAX_BLOCK, ExactDistribution
+from specula.certify.forward_memo import ForwardMemo
 from specula.decoding import generate_tokens
-from specula.exact_distribution import MAX_BLOCK, ExactDistribution
-from specula.forward_memo import ForwardMemo
 from specula.sampling import SamplingParams, probabilities
 
 HEAD = Path(__file__).parent / "data" / "eagle-stories260k"
@@ -81,7 +81,7 @@ def test_exact_distribution_as_token_trees_equals_one_prefix_at_a_time(monkeypat
     torch.manual_seed(0)
     prefixes = {tuple(torch.randint(0, target.vocab_size, (length,)).tolist()) for length in (1, 2, 3) * 40}
     prefixes |= {(5, 6), (5, 6, 7), (5,)}  # nested prefixes in one request
-    monkeypatch.setattr("specula.exact_distribution.MAX_BLOCK", 16)  # many forwards, split between subtrees
+    monkeypatch.setattr("specula.certify.exact_distribution.MAX_BLOCK", 16)  # many forwards, split between subtrees
     exact = ExactDistribution(target, prompt, params)
     exact.compute(prefixes)
     assert exact.forwards >= 1 + len(prefixes) // 16 and MAX_BLOCK > 16

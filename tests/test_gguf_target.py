@@ -1,4 +1,4 @@
-"""`specula.gguf_target`: a Hugging Face Llama directory as llama.cpp's ``llama`` GGUF, read back with `gguf`."""
+"""`specula.gguf.target`: a Hugging Face Llama directory as llama.cpp's ``llama`` GGUF, read back with `gguf`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from conftest import STORIES
 
 from specula.errors import SpeculaError
-from specula.gguf_target import export_llama_gguf
+from specula.gguf.target import export_llama_gguf
 
 
 def read(path):

@@ -23,13 +23,13 @@ from torch import nn
 import specula
 from specula.cli import main
 from specula.errors import SpeculaError
-from specula.outputs import MARKER, atomic_write, atomic_write_text, prepare_output_dir
-from specula.target import FeatureRequest
+from specula.files.outputs import MARKER, atomic_write, atomic_write_text, prepare_output_dir
+from specula.runtime.target import FeatureRequest
 from specula.training.loop import TrainConfig, run_training
 
 EAGLE = REPO / "tests" / "data" / "eagle-stories260k"
 EAGLE3 = REPO / "tests" / "data" / "eagle3-stories260k"
-MEDUSA = REPO / "models" / "medusa-stories260k"
+MEDUSA = REPO / "specula" / "heads" / "bundled" / "medusa-stories260k"
 PROMPT = "Once upon a time"
 
 pytestmark = pytest.mark.usefixtures("single_thread")

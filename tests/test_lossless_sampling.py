@@ -39,8 +39,8 @@ from specula.acceptance import Acceptance, Acceptor
 from specula.decoding import generate_tokens
 from specula.drafters.draft_model import DraftModelDrafter
 from specula.drafters.prompt_lookup import PromptLookupDrafter
+from specula.runtime.target import Target
 from specula.sampling import SamplingParams, probabilities, sample
-from specula.target import Target
 from specula.tree import DraftTree
 
 ALPHA = 1e-3

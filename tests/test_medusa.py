@@ -30,8 +30,8 @@ from specula.drafters.medusa import (
 )
 from specula.errors import SpeculaError
 from specula.heads.medusa_head import MedusaHeads
+from specula.runtime.target import Target
 from specula.sampling import SamplingParams
-from specula.target import Target
 from specula.training.loop import TrainConfig
 from specula.training.medusa_trainer import MedusaTrainOptions, train_medusa
 from specula.tree import DraftTree

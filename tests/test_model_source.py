@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from conftest import STORIES, write_tiny_gguf
 
-from specula import gguf_cache
 from specula.errors import SpeculaError
-from specula.model_source import (
+from specula.gguf import cache as gguf_cache
+from specula.runtime.model_source import (
     DEFAULT_GGUF,
     DEFAULT_MODEL,
     INSTALL_DEFAULT,
@@ -21,8 +21,8 @@ from specula.model_source import (
     model_name,
     resolve_model,
 )
-from specula.profile import profile_dir
-from specula.target import Target, check_model_dir
+from specula.runtime.profile import profile_dir
+from specula.runtime.target import Target, check_model_dir
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Many sequences in one target forward (`specula.packed`, the batched server's decode step): every method's
+"""Many sequences in one target forward (`specula.runtime.packed`, the batched server's decode step): every method's
 output for a sequence is what it is alone, whoever shares its forwards, at T=0 and seeded at T=1."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from conftest import LLAMA2XS, REPO, STORIES, STORY_PROMPTS
 import specula
 from specula.decoding import Sequence, generate_tokens
 from specula.errors import SpeculaError
-from specula.packed import forward_packed
+from specula.runtime.packed import forward_packed
 from specula.sampling import SamplingParams
 from specula.serve.budget import DraftBudget, parse_budget_table
 
@@ -26,7 +26,7 @@ METHODS = {
     "vanilla": {},
     "pld": {"num_tokens": 6},
     "sps": {"draft": LLAMA2XS, "num_tokens": 3},
-    "medusa": {"draft": REPO / "models" / "medusa-stories260k"},
+    "medusa": {"draft": REPO / "specula" / "heads" / "bundled" / "medusa-stories260k"},
     "eagle2": {},
     "eagle3": {},
 }

@@ -7,8 +7,8 @@ import torch
 
 from specula.errors import SpeculaError
 from specula.kernels import q4_1
-from specula.quantized_linear import Q4_1Linear, fuse_outputs, int4_groups
-from specula.weights import check_available
+from specula.runtime.quantized_linear import Q4_1Linear, fuse_outputs, int4_groups
+from specula.runtime.weights import check_available
 
 needs_kernel = pytest.mark.skipif(q4_1.unavailable_reason() is not None,
                                   reason=f"q4_1 kernel unavailable here: {q4_1.unavailable_reason()}")

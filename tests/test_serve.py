@@ -522,7 +522,7 @@ def test_serve_command_listens_on_localhost_with_the_settings_given(monkeypatch)
 
 
 def test_serve_command_refuses_bad_options_before_loading(monkeypatch, capsys):
-    from specula.target import Target
+    from specula.runtime.target import Target
 
     monkeypatch.setattr(Target, "load", classmethod(lambda cls, *a, **k: pytest.fail("a model was loaded")))
     assert main(["serve", "--target", str(STORIES), "--method", "pld", "--pld-max-ngram", "0"]) == 2

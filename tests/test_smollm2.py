@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specula import gguf_cache
+from specula.gguf import cache as gguf_cache
 from specula.methods import build_speculator
-from specula.model_source import cache_dir, default_target, resolve_model
+from specula.runtime.model_source import cache_dir, default_target, resolve_model
 
 CHAT_PROMPTS = [
     "What is the capital of France?",

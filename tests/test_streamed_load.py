@@ -11,9 +11,9 @@ from conftest import STORIES, tiny_model
 from safetensors.torch import load_file, save_file
 
 from specula.errors import SpeculaError
-from specula.streamed_load import load_converted
-from specula.target import Target, load_causal_lm
-from specula.weights import quantize_linear_weights
+from specula.runtime.streamed_load import load_converted
+from specula.runtime.target import Target, load_causal_lm
+from specula.runtime.weights import quantize_linear_weights
 
 FORMATS = ("bfloat16", "int8", "int4")
 

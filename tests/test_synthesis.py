@@ -10,7 +10,7 @@ from conftest import STORIES, write_tiny_gguf
 
 from specula.cli import main
 from specula.errors import SpeculaError
-from specula.target import Target
+from specula.runtime.target import Target
 from specula.training.records import read_records
 from specula.training.synthesis import (
     SynthesisOptions,

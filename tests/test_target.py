@@ -7,7 +7,7 @@ import torch
 from conftest import tiny_model
 
 from specula.errors import SpeculaError
-from specula.target import FeatureRequest, Target
+from specula.runtime.target import FeatureRequest, Target
 from specula.tree import DraftTree
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
@@ -111,7 +111,7 @@ def test_features_are_final_hidden_and_layer_inputs():
 
 
 def test_kv_cache_is_allocated_as_needed_and_keeps_its_entries_when_it_grows():
-    from specula.static_cache import SLOT_STEP, StaticKVCache
+    from specula.runtime.static_cache import SLOT_STEP, StaticKVCache
 
     cache = StaticKVCache(2, 1, 4, capacity=5 * SLOT_STEP, dtype=torch.float32, device="cpu")
     assert cache.allocated == SLOT_STEP  # not the whole capacity up front
@@ -131,7 +131,7 @@ def test_kv_cache_is_allocated_as_needed_and_keeps_its_entries_when_it_grows():
 
 
 def test_decoding_past_the_first_kv_allocation_gives_the_logits_of_a_cache_allocated_up_front():
-    from specula.static_cache import SLOT_STEP
+    from specula.runtime.static_cache import SLOT_STEP
 
     model = tiny_model("llama", seed=4, max_position_embeddings=4 * SLOT_STEP)
     prompt = torch.randint(0, 97, (SLOT_STEP - 10,), generator=torch.Generator().manual_seed(8))
@@ -154,7 +154,7 @@ def test_decoding_past_the_first_kv_allocation_gives_the_logits_of_a_cache_alloc
 
 
 def test_a_released_target_gives_back_its_grown_kv_memory_and_decodes_as_new():
-    from specula.static_cache import SLOT_STEP
+    from specula.runtime.static_cache import SLOT_STEP
 
     model = tiny_model("llama", seed=4, max_position_embeddings=4 * SLOT_STEP)
     long_prompt = torch.randint(0, 97, (2 * SLOT_STEP,), generator=torch.Generator().manual_seed(8))

@@ -11,7 +11,7 @@ from conftest import STORIES, STORY_PROMPTS
 import specula
 import specula.training.features as features_module
 from specula.errors import SpeculaError
-from specula.target import FeatureRequest, Target
+from specula.runtime.target import FeatureRequest, Target
 from specula.training import regeneration
 from specula.training.features import CachedFeatures, cache_features
 from specula.training.records import TrainingRecord, build_samples, read_records

@@ -13,12 +13,12 @@ import torch
 from conftest import LLAMA2XS, STORIES, STORY_PROMPTS, tiny_model, write_tiny_gguf
 
 import specula
-from specula.agreement import argmax_agreement, find_divergence
+from specula.bench.agreement import argmax_agreement, find_divergence
 from specula.cli import main
 from specula.errors import SpeculaError
-from specula.gguf_blocks import blocks_to_groups, llama_row_order
+from specula.gguf.blocks import blocks_to_groups, llama_row_order
 from specula.kernels import q4_1
-from specula.quantized_linear import (
+from specula.runtime.quantized_linear import (
     BFloat16Linear,
     Float32Linear,
     Int4Linear,
@@ -29,8 +29,8 @@ from specula.quantized_linear import (
     int4_groups,
     int8_rows,
 )
-from specula.target import Target
-from specula.weights import FLOAT32_LAYOUT_MIN_ELEMENTS, check_available, quantize_linear_weights
+from specula.runtime.target import Target
+from specula.runtime.weights import FLOAT32_LAYOUT_MIN_ELEMENTS, check_available, quantize_linear_weights
 
 # q4_1 needs its kernel built (AVX2 and a C++ compiler); elsewhere its cases are skipped, saying why.
 Q4_1 = pytest.param("q4_1", marks=pytest.mark.skipif(q4_1.unavailable_reason() is not None,
@@ -388,8 +388,8 @@ def test_every_method_decodes_what_vanilla_decodes_with_the_same_weights(quantiz
 
 
 @pytest.mark.parametrize("method, head", [("eagle2", EAGLE_HEAD), ("eagle3", EAGLE3_HEAD),
-                                          ("medusa", Path(__file__).resolve().parents[1] / "models" /
-                                           "medusa-stories260k")])
+                                          ("medusa", Path(__file__).resolve().parents[1] / "specula" /
+                                           "heads" / "bundled" / "medusa-stories260k")])
 def test_a_draft_head_drafts_in_the_targets_weight_format(int4_stories, method, head):
     drafter = specula.load(int4_stories.target, method=method, draft=head).drafter
     module = drafter.heads if method == "medusa" else drafter.head

@@ -17,7 +17,7 @@
    factor that uses the measured verification cost; for trees the node budget
    and depth that maximise predicted tokens/s. Predicted and measured speedups
    are printed side by side like the lecture's Table 4.
-4. The profile (`specula.profile`) gets the measurements and the
+4. The profile (`specula.runtime.profile`) gets the measurements and the
    recommended drafter options of this method.
 """
 
@@ -33,16 +33,16 @@ import torch
 from specula.bench import theory
 from specula.bench.metrics import depth_counts, pooled_alpha
 from specula.bench.runners import RecordingDrafter, accepted_path, conversation_ids
-from specula.compiled_step import WARM_UP_BLOCK
 from specula.decoding import generate_tokens
 from specula.divergence import NEAR_TIE, REAL
 from specula.drafters.vanilla import VanillaDrafter
 from specula.errors import SpeculaError
-from specula.heap import trim_heap
 from specula.methods import build_speculator, get_method, resolve_draft
+from specula.runtime.compiled_step import WARM_UP_BLOCK
+from specula.runtime.heap import trim_heap
+from specula.runtime.target import FeatureRequest
+from specula.runtime.weights import WEIGHT_FORMATS, check_available, resolve_weights
 from specula.sampling import SamplingParams
-from specula.target import FeatureRequest
-from specula.weights import WEIGHT_FORMATS, check_available, resolve_weights
 
 VERIFY_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -159,7 +159,7 @@ def _prompt_ids(opts: CalibrationOptions, target) -> list[list[int]]:
 def choose_weights(opts: CalibrationOptions, log=lambda message: None) -> dict:
     """What ``--weights auto`` should mean on this machine: the fastest format that stays lossless.
 
-    For every concrete format the device runs (`specula.weights.check_available`): the target's one-token
+    For every concrete format the device runs (`specula.runtime.weights.check_available`): the target's one-token
     step after the first prompt (median of ``repeats``), the method against vanilla at T = 0 on the
     calibration prompts, every divergence classified as `specula check` does (`certify.check_greedy`), and
     the format's top-1 agreement with the float32 model on float32's own greedy answers to those prompts
@@ -168,9 +168,9 @@ def choose_weights(opts: CalibrationOptions, log=lambda message: None) -> dict:
     (near-ties are floating-point rounding of the same model) and an agreement of at least
     ``opts.min_agreement``. Returns {"choice", "method", "formats": {format: measurements}}.
     """
-    from specula.agreement import ArgmaxReference
     from specula.api import Speculator
-    from specula.certify import check_greedy
+    from specula.bench.agreement import ArgmaxReference
+    from specula.certify.check import check_greedy
 
     formats, reference = {}, None  # reference: (prompt + float32's answer, answer start, float32's argmax there)
     for fmt in WEIGHT_FORMATS[1:]:

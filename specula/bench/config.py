@@ -14,7 +14,7 @@
 
     [methods.eagle2-wide]        # a second configuration of one method: `method` names the real one
     method = "eagle2"
-    draft = "models/eagle-pycoder-25m"
+    draft = "specula/heads/bundled/eagle-pycoder-25m"
     total_tokens = 16
 
     [methods.llamacpp-eagle3]    # llama.cpp's own drafting (needs llama-server: --llama-server PATH)

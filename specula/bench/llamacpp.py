@@ -6,12 +6,12 @@ Methods (`specula.bench.llamacpp_options.LLAMACPP_METHODS`):
 - ``llamacpp-draft``: llama.cpp's own speculative decoding with ``draft`` (``-md``):
   ``spec_type = "draft-simple"`` (default; a draft model with the target's vocabulary, a GGUF
   file or a Hugging Face Llama directory) or ``"draft-eagle3"`` (an EAGLE-3 head: an eagle3
-  GGUF, or a head directory exported with `specula.formats_gguf.export_eagle3_gguf`);
+  GGUF, or a head directory exported with `specula.gguf.heads.export_eagle3_gguf`);
   ``draft_max``/``draft_min``/``draft_p_min``/``draft_sampling`` become
   ``--spec-draft-n-max``/``-n-min``/``-p-min``/``--spec-draft-sampling``.
 
 What makes a row comparable with ours: the same GGUF (a target given as a Hugging Face
-directory is written as an F32 GGUF by `specula.gguf_target`), the bench's thread count
+directory is written as an F32 GGUF by `specula.gguf.target`), the bench's thread count
 (``-t``/``-tb``) and the target's context (``-c``), one slot, no prompt cache (``--cache-ram 0``,
 ``cache_prompt: false``: every turn is prefilled in full, as ours are), and each prompt sent
 to ``/completion`` as the very token ids our rows get (rendered by our chat template; no
@@ -109,8 +109,8 @@ def summarize_turns(turns: list[dict]) -> dict | None:
 
 def target_gguf(target: str, workdir: Path) -> Path:
     """The GGUF file llama.cpp runs for ``target``: the target's own, or a Llama directory written as F32 GGUF."""
-    from specula.gguf_target import export_llama_gguf
-    from specula.model_source import gguf_source, resolve_model
+    from specula.gguf.target import export_llama_gguf
+    from specula.runtime.model_source import gguf_source, resolve_model
 
     found = gguf_source(target)
     if found is not None:
@@ -126,10 +126,10 @@ def draft_gguf(draft: str, spec_type: str, target_file: Path, workdir: Path) -> 
     if not path.is_dir():
         raise SpeculaError(f"draft {draft} is neither a .gguf file nor a directory")
     if spec_type == "draft-eagle3":
-        from specula.formats_gguf import export_eagle3_gguf
+        from specula.gguf.heads import export_eagle3_gguf
 
         return export_eagle3_gguf(path, target_file, workdir / "draft-eagle3.gguf")
-    from specula.gguf_target import export_llama_gguf
+    from specula.gguf.target import export_llama_gguf
 
     return export_llama_gguf(path, workdir / "draft.gguf")
 

@@ -23,7 +23,7 @@ from itertools import zip_longest
 from pathlib import Path
 
 from specula.errors import SpeculaError
-from specula.jsonl import json_lines
+from specula.files.jsonl import json_lines
 
 SPEC_BENCH_TASKS = {"translation", "summarization", "qa", "math_reasoning", "rag"}
 MT_BENCH_CATEGORIES = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}

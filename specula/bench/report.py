@@ -23,7 +23,7 @@ from pathlib import Path
 
 from specula.bench.metrics import CONTEXT_BUCKETS, calibration_curve
 from specula.bench.runners import is_lossy
-from specula.outputs import atomic_write, atomic_write_text
+from specula.files.outputs import atomic_write, atomic_write_text
 
 PLOTS = ("speedup_tau.png", "acceptance_by_depth.png", "calibration.png")
 DEPTH_COLUMNS = 5

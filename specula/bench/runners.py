@@ -27,8 +27,8 @@ import torch
 from specula.bench.config import MethodSpec
 from specula.bench.metrics import add_to_calibration, depth_counts, empty_calibration
 from specula.methods import build_speculator
+from specula.runtime.target import Target
 from specula.sampling import SamplingParams
-from specula.target import Target
 
 
 @dataclass

@@ -37,11 +37,11 @@ import torch
 from specula.bench.config import MethodSpec
 from specula.bench.metrics import add_counts, aggregate, merge_calibration, repetition
 from specula.bench.questions import Question
-from specula.compiled_step import WARM_UP_BLOCK
 from specula.errors import SpeculaError
-from specula.outputs import atomic_write_text
+from specula.files.outputs import atomic_write_text
+from specula.runtime.compiled_step import WARM_UP_BLOCK
+from specula.runtime.weights import resolve_weights
 from specula.sampling import SamplingParams
-from specula.weights import resolve_weights
 
 RESULTS_VERSION = 1
 # Settings that must match for a resumed run to be comparable with what is already in results.json.
@@ -60,7 +60,7 @@ class BenchSettings:
     max_new_tokens: int = 128
     seed: int = 0
     dtype: str = "auto"
-    weights: str = "auto"  # the target's linear weights (`specula.weights`), for every method alike
+    weights: str = "auto"  # the target's linear weights (`specula.runtime.weights`), for every method alike
     compile: bool = False  # the target's steps through torch.compile (`Target.compile`), for our methods alike
     device: str = "cpu"
     threads: int | None = None
@@ -128,7 +128,7 @@ def draft_digest(spec: MethodSpec, target: str | Path) -> str | None:
     Part of a method's settings, so that a head retrained in place (same path, new weights) is not taken
     for the one an earlier run in this output directory measured: resuming is then refused.
     """
-    from specula.gguf_cache import file_sha256
+    from specula.gguf.cache import file_sha256
     from specula.methods import METHODS, default_draft
 
     draft = spec.draft
@@ -244,7 +244,7 @@ def _run_bench(settings: BenchSettings, resources: contextlib.ExitStack) -> dict
     from specula.bench.llamacpp import LlamaCppRunner, server_table
     from specula.bench.report import write_report
     from specula.bench.runners import conversation_ids, make_runner, max_rss_mb, rss_mb
-    from specula.target import Target
+    from specula.runtime.target import Target
 
     out = Path(settings.out)
     if out.exists() and not out.is_dir():

@@ -18,8 +18,8 @@ import torch
 from specula.bench.questions import read_questions
 from specula.decoding import generate_tokens
 from specula.drafters.vanilla import VanillaDrafter
+from specula.runtime.target import Target
 from specula.sampling import SamplingParams
-from specula.target import Target
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "pycode" / "eval.jsonl"
 

@@ -31,11 +31,11 @@ from specula.cli.common import (
 )
 from specula.errors import SpeculaError
 from specula.methods import DEFAULT_TARGET, METHODS, resolve_draft
-from specula.model_source import model_name
-from specula.profile import all_defaults, load_profile, profile_path, save_profile
+from specula.runtime.model_source import model_name
+from specula.runtime.profile import all_defaults, load_profile, profile_path, save_profile
+from specula.runtime.target import check_model_dir
+from specula.runtime.weights import resolve_weights
 from specula.sampling import SamplingParams
-from specula.target import check_model_dir
-from specula.weights import resolve_weights
 
 # MT-bench: the chat evaluation set of the papers, for the bundled chat model (pycode/eval.jsonl served the old
 # code fixture).
@@ -289,7 +289,7 @@ def add_calibrate_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=positive_int, metavar="N", help="torch threads (default: torch's setting)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, metavar="FILE",
-                   help="profile file to write (default: ~/.cache/specula/profile-<target name>.json)")
+                   help="profile file to write (default: ~/.cache/specula/runtime/profile-<target name>.json)")
     p.add_argument("--no-save", action="store_true", help="print only; write no profile")
     p.add_argument("--json", action="store_true", help="print the profile as JSON instead of the summary")
     p.set_defaults(handler=run_calibrate_command)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from specula.chat_session import run_chat
+from specula.chat.session import run_chat
 from specula.cli.common import (
     add_method_arguments,
     add_model_arguments,

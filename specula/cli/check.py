@@ -1,4 +1,4 @@
-"""`specula check`: certify on this machine that a method's output is the target's output (logic: `specula.certify`).
+"""`specula check`: certify on this machine that a method's output is the target's output (logic: `certify.check`).
 
 Exit status: 0 certified lossless, 1 NOT lossless, 3 inconclusive, 2 bad input (one `specula: error:` line).
 """
@@ -9,7 +9,7 @@ import argparse
 import json
 from pathlib import Path
 
-from specula.certify import ALPHA, check, read_prompts
+from specula.certify.check import ALPHA, check, read_prompts
 from specula.cli.common import add_method_arguments, add_model_arguments, method_options, positive_int
 from specula.methods import DEFAULT_TARGET
 from specula.sampling import SamplingParams, check_seed
@@ -46,7 +46,7 @@ def add_check_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, metavar="S", help="first sampling seed (default: %(default)s)")
     add_method_arguments(p)
     p.add_argument("--json", action="store_true", help="print the report as one JSON object (schema in "
-                                                      "specula/check_report.py)")
+                                                      "specula/certify/report.py)")
     p.set_defaults(handler=run_check)
 
 

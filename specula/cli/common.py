@@ -12,7 +12,7 @@ import torch
 
 from specula.errors import SpeculaError
 from specula.methods import ACCEPTANCE, METHODS, TYPICAL_ALPHA, TYPICAL_THRESHOLD, all_options, methods_taking
-from specula.weights import AUTO_FORMAT, WEIGHT_FORMATS
+from specula.runtime.weights import AUTO_FORMAT, WEIGHT_FORMATS
 
 PROG = "specula"
 EXIT_USAGE = 2
@@ -88,7 +88,7 @@ def device_name(text: str) -> str:
 
 
 def add_weights_argument(p: argparse.ArgumentParser, default: str | None = "auto") -> None:
-    """``--weights``: the format of the target's linear weights (`specula.weights`).
+    """``--weights``: the format of the target's linear weights (`specula.runtime.weights`).
 
     ``default`` None lets a config file supply it (bench); the command then treats a missing value as auto.
     """

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from specula.cli.common import positive_int
 from specula.errors import SpeculaError
-from specula.formats import FORMATS, convert
-from specula.formats_gguf import OUTTYPES, export_eagle3_gguf
+from specula.gguf.heads import OUTTYPES, export_eagle3_gguf
+from specula.heads.formats import FORMATS, convert
 
 GGUF = "gguf"
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 from specula.cli.common import DTYPE_CHOICES, TARGET_HELP, device_name, positive_int
 from specula.errors import SpeculaError
+from specula.files.outputs import atomic_write_text
 from specula.methods import DEFAULT_TARGET
-from specula.outputs import atomic_write_text
-from specula.target import Target
+from specula.runtime.target import Target
 from specula.training.synthesis import SynthesisOptions, synthesize_prompts
 
 

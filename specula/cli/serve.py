@@ -15,10 +15,10 @@ from specula.cli.common import (
     number_in,
     positive_int,
 )
-from specula.compiled_step import WARM_UP_BLOCK
 from specula.errors import SpeculaError
 from specula.methods import DEFAULT_TARGET, build_speculator
-from specula.profile import load_profile
+from specula.runtime.compiled_step import WARM_UP_BLOCK
+from specula.runtime.profile import load_profile
 from specula.serve.budget import DEFAULT_MAX_BATCH, parse_budget_table
 
 API_KEY_ENV = "SPECULA_API_KEY"

@@ -18,13 +18,13 @@ from transformers import AutoConfig
 from specula.cli.common import DTYPE_CHOICES, device_name, number_list, positive_int
 from specula.drafters.medusa import CHOICES_FILE, check_heads_fit
 from specula.errors import SpeculaError
-from specula.formats import load_head
+from specula.files.outputs import prepare_output_dir
 from specula.heads.eagle_head import EagleHead
+from specula.heads.formats import load_head
 from specula.heads.ldlp import head_fingerprint
 from specula.heads.medusa_head import MedusaHeads
 from specula.methods import DEFAULT_TARGET
-from specula.outputs import prepare_output_dir
-from specula.target import FeatureRequest, Target, check_model_dir
+from specula.runtime.target import FeatureRequest, Target, check_model_dir
 from specula.training.eagle3_trainer import (
     DEFAULT_STEPS,
     DRAFT_VOCAB_SIZE,

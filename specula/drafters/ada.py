@@ -26,8 +26,8 @@ from specula.drafters.eagle import EagleDrafter
 from specula.errors import SpeculaError
 from specula.heads.eagle_head import EagleHead
 from specula.heads.ldlp import LengthPredictor, head_fingerprint
+from specula.runtime.target import FeatureRequest, ForwardOutput, Target
 from specula.sampling import SamplingParams
-from specula.target import FeatureRequest, ForwardOutput, Target
 from specula.tree import DraftTree
 
 LDLP_SUBDIR = "ldlp"  # where an LDLP lives inside its EAGLE head directory when no ldlp= is given

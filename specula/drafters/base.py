@@ -6,8 +6,8 @@ from typing import Protocol
 
 import torch
 
+from specula.runtime.target import FeatureRequest, ForwardOutput
 from specula.sampling import SamplingParams
-from specula.target import FeatureRequest, ForwardOutput
 from specula.tree import DraftTree
 
 

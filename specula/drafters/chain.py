@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from specula.heads.base import DraftHead
-from specula.target import Target
+from specula.runtime.target import Target
 
 
 @torch.no_grad()

@@ -13,8 +13,8 @@ import copy
 import torch
 
 from specula.errors import SpeculaError
+from specula.runtime.target import FeatureRequest, ForwardOutput, Target
 from specula.sampling import SamplingParams, probabilities, sample
-from specula.target import FeatureRequest, ForwardOutput, Target
 from specula.tree import DraftTree
 
 

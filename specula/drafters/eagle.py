@@ -29,13 +29,13 @@ from dataclasses import dataclass
 
 import torch
 
-from specula.compiled_step import HeadStep
 from specula.errors import SpeculaError
 from specula.heads.base import DraftHead
+from specula.runtime.compiled_step import HeadStep
+from specula.runtime.target import ForwardOutput, Target
+from specula.runtime.weights import quantize_every_linear
 from specula.sampling import SamplingParams, probabilities
-from specula.target import ForwardOutput, Target
 from specula.tree import DraftTree
-from specula.weights import quantize_every_linear
 
 # EAGLE-1's static tree per device type. On a GPU a 10-node tree (measured best on pycoder-25m, whose looping
 # text its head predicted well; the papers' GPU trees are wider). On a CPU one draft node, measured on the

@@ -34,10 +34,10 @@ import torch
 
 from specula.errors import SpeculaError
 from specula.heads.medusa_head import MedusaHeads
+from specula.runtime.target import FeatureRequest, ForwardOutput, Target
+from specula.runtime.weights import quantize_every_linear
 from specula.sampling import SamplingParams
-from specula.target import FeatureRequest, ForwardOutput, Target
 from specula.tree import DraftTree
-from specula.weights import quantize_every_linear
 
 CHOICES_FILE = "medusa_choices.json"
 # A 15-candidate tree for CPUs, where every verified node costs a visible share of a target forward:

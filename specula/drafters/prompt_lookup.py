@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from specula.errors import SpeculaError
+from specula.runtime.target import FeatureRequest, ForwardOutput
 from specula.sampling import SamplingParams
-from specula.target import FeatureRequest, ForwardOutput
 from specula.tree import DraftTree
 
 

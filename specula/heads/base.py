@@ -13,8 +13,8 @@ from typing import Protocol
 
 import torch
 
-from specula.static_cache import SlotBlock, StaticKVCache
-from specula.target import FeatureRequest, ForwardOutput, Target
+from specula.runtime.static_cache import SlotBlock, StaticKVCache
+from specula.runtime.target import FeatureRequest, ForwardOutput, Target
 
 
 class DraftHead(Protocol):
@@ -48,7 +48,7 @@ class DraftHead(Protocol):
         """Predicted features [n, H] for n pairs after the cache: features [n, F] from the target (or [n, H],
         the head's own predictions, when ``own_features``), token_embeds [n, H], positions [n],
         mask bool [1, 1, n, cache.length + n] or None for a causal chain. ``slots``: where a compiled step
-        writes the block (`specula.compiled_step.padded_block`); its mask then covers the whole allocation."""
+        writes the block (`specula.runtime.compiled_step.padded_block`); its mask then covers the whole allocation."""
 
     def token_log_probs(self, predicted: torch.Tensor) -> torch.Tensor:
         """Log-probabilities [n, V] over the target vocabulary (-inf for tokens the head never drafts)."""

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from specula.errors import SpeculaError
-from specula.outputs import atomic_write
-from specula.readers import check_fields, expect_object, load_safetensors, load_torch
+from specula.files.outputs import atomic_write
+from specula.files.readers import check_fields, expect_object, load_safetensors, load_torch
 
 Module = TypeVar("Module", bound=nn.Module)
 

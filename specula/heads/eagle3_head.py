@@ -42,14 +42,14 @@ from specula.errors import SpeculaError
 from specula.heads.base import top_of
 from specula.heads.checkpoint import build_module, load_checked, load_state_dict, read_config, save_module
 from specula.heads.eagle_head import CONFIG_KEYS, llama_config
-from specula.static_cache import (
+from specula.runtime.static_cache import (
     SlotBlock,
     StaticKVCache,
     block_attention_mask,
     decoder_layer_step,
     rotary_function,
 )
-from specula.target import FeatureRequest, ForwardOutput, Target
+from specula.runtime.target import FeatureRequest, ForwardOutput, Target
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 
@@ -205,7 +205,7 @@ class Eagle3Head(nn.Module):
 
     def new_cache(self, capacity: int) -> StaticKVCache:
         attn = self.midlayer.self_attn
-        param = self.norm.weight  # the linears may be in a quantized format (specula.weights)
+        param = self.norm.weight  # the linears may be in a quantized format (specula.runtime.weights)
         kv_heads = attn.k_proj.out_features // attn.head_dim
         return StaticKVCache(1, kv_heads, attn.head_dim, capacity, param.dtype, param.device)
 
@@ -260,7 +260,7 @@ class Eagle3Head(nn.Module):
 
         features [n, L*H] from the target, or the head's own outputs [n, H] when ``own_features``.
         positions [n]; mask bool [1, 1, n, cache.length + n] or None for a causal chain; with ``slots`` (a
-        compiled step, `specula.compiled_step`) the mask covers the whole allocation [1, 1, n, allocated].
+        compiled step, `specula.runtime.compiled_step`) the mask covers the whole allocation [1, 1, n, allocated].
         """
         hidden = (features if own_features else self.fuse(features))[None]
         x = self._attention_input(hidden, token_embeds[None])

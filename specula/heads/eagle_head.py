@@ -25,14 +25,14 @@ from torch import nn
 
 from specula.heads.base import top_of
 from specula.heads.checkpoint import build_module, load_checked, load_state_dict, read_config, save_module
-from specula.static_cache import (
+from specula.runtime.static_cache import (
     SlotBlock,
     StaticKVCache,
     block_attention_mask,
     decoder_layer_step,
     rotary_function,
 )
-from specula.target import FeatureRequest, ForwardOutput, Target
+from specula.runtime.target import FeatureRequest, ForwardOutput, Target
 
 CONFIG_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
                "num_hidden_layers", "rms_norm_eps", "rope_theta", "vocab_size", "max_position_embeddings",
@@ -99,7 +99,7 @@ class EagleHead(nn.Module):
 
     def new_cache(self, capacity: int) -> StaticKVCache:
         attn = self.layers[0].self_attn
-        param = self.layers[0].post_attention_layernorm.weight  # the linears may be quantized (specula.weights)
+        param = self.layers[0].post_attention_layernorm.weight  # the linears may be quantized (specula.runtime.weights)
         kv_heads = attn.k_proj.out_features // attn.head_dim
         return StaticKVCache(len(self.layers), kv_heads, attn.head_dim, capacity, param.dtype, param.device)
 
@@ -128,7 +128,7 @@ class EagleHead(nn.Module):
         lm_head = self.__dict__["_lm_head"]() if "_lm_head" in self.__dict__ else None
         if lm_head is None:
             raise RuntimeError("EagleHead.attach(target) must be called before drafting")
-        # A quantized LM head (specula.weights) casts its input itself and has no float weight.
+        # A quantized LM head (specula.runtime.weights) casts its input itself and has no float weight.
         dtype = lm_head.weight.dtype if isinstance(lm_head, nn.Linear) else predicted.dtype
         return lm_head(predicted.to(dtype))
 
@@ -152,7 +152,7 @@ class EagleHead(nn.Module):
         """Predicted features [n, H] for a block of n (feature, next-token embedding) pairs after the cache.
 
         positions [n]; mask bool [1, 1, n, cache.length + n] or None for a causal chain; with ``slots`` (a
-        compiled step, `specula.compiled_step`) the mask covers the whole allocation [1, 1, n, allocated].
+        compiled step, `specula.runtime.compiled_step`) the mask covers the whole allocation [1, 1, n, allocated].
         ``own_features`` says the features are the head's own predictions (same input for EAGLE-1).
         """
         x = self.fc(torch.cat([token_embeds, features], dim=-1))[None]

@@ -49,8 +49,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from specula.errors import SpeculaError
-from specula.outputs import atomic_write
-from specula.readers import check_fields, load_safetensors, load_torch
+from specula.files.outputs import atomic_write
+from specula.files.readers import check_fields, load_safetensors, load_torch
 
 WEIGHT_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt", "model.safetensors")
 PREFIX = "medusa_head."
@@ -139,7 +139,7 @@ class MedusaHeads(nn.Module):
         lm_head = self.__dict__["_lm_head"]() if "_lm_head" in self.__dict__ else None
         if lm_head is None:
             raise RuntimeError("MedusaHeads.attach(target) must be called before heads sharing the LM head run")
-        # A quantized LM head (specula.weights) casts its input itself and has no float weight.
+        # A quantized LM head (specula.runtime.weights) casts its input itself and has no float weight.
         dtype = lm_head.weight.dtype if isinstance(lm_head, nn.Linear) else hidden.dtype
         return torch.stack([lm_head(head(hidden).to(dtype)) for head in heads])
 

@@ -1,7 +1,7 @@
 """Compiled kernels Specula builds on the user's machine (C++ sources beside their Python loaders).
 
 Each kernel is a torch extension built once per machine and torch version into Specula's cache
-(``~/.cache/specula/kernels``, `specula.model_source.cache_dir`) with the C++ compiler and ninja, then
+(``~/.cache/specula/kernels``, `specula.runtime.model_source.cache_dir`) with the C++ compiler and ninja, then
 loaded as ``torch.ops.specula.*`` ops; `scripts/install.sh` builds them so a first run does not wait.
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from specula.errors import SpeculaError
-from specula.model_source import cache_dir
+from specula.runtime.model_source import cache_dir
 
 
 def has_cpp_compiler() -> bool:

@@ -4,7 +4,7 @@
 [.., n, >= end] or None, end int64 0-d CPU tensor, scale) → float32 [1, H, n, d]``: each query row attends over
 cache slots [0, end) that its mask row marks. It needs an x86 CPU with AVX2 and FMA and a C++ compiler
 (``scripts/install.sh`` builds it, about 20 s); `kernel` is None where it cannot run, and attention then
-goes through torch's SDPA (`specula.static_cache` chooses per block).
+goes through torch's SDPA (`specula.runtime.static_cache` chooses per block).
 
 Why: in a decode or verify step of a small model each layer attends a few rows over a few hundred slots,
 microseconds of arithmetic, and torch's SDPA (called from a custom op) took ~70 us per layer around it.
@@ -53,7 +53,7 @@ _kernel = _UNDECIDED
 
 def kernel() -> torch._ops.OpOverloadPacket | None:
     """The op where it runs on this machine's CPU (built if need be), else None: decided once per process,
-    so that every step of a target attends the same way. `specula.compiled_step` decides before tracing
+    so that every step of a target attends the same way. `specula.runtime.compiled_step` decides before tracing
     (the graph then reads the answer as a constant)."""
     global _kernel
     if _kernel is _UNDECIDED:

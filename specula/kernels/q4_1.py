@@ -4,7 +4,7 @@
 [G, K/32, 2, 8], N) → float32 [M, N]`` with G = ceil(N / 8) groups of outputs (the arithmetic and the layout
 are described in ``q4_1.cpp``; `pack` and `unpack` convert from and to codes and per-block scales and
 minimums). It needs an x86 CPU with AVX2, FMA and F16C and a C++ compiler; the build (about 30 s) goes to
-``kernels/`` in Specula's cache (``~/.cache/specula``, `specula.model_source.cache_dir`) and is reused until
+``kernels/`` in Specula's cache (``~/.cache/specula``, `specula.runtime.model_source.cache_dir`) and is reused until
 the source or the torch version changes. `scripts/install.sh` builds it, so the first `--weights q4_1` run
 does not wait for the compiler.
 

@@ -1,7 +1,7 @@
 """How deep each sequence may draft when B sequences share one target forward.
 
 A verify pass over k tokens costs v(k) — on a CPU a few one-token steps for k = 16, not one — and
-drafting pays only when it yields more tokens than that. With B sequences packed (`specula.packed`)
+drafting pays only when it yields more tokens than that. With B sequences packed (`specula.runtime.packed`)
 one pass costs v(B·(1 + n(d))) for drafts of depth d holding n(d) nodes each: the matmuls fill up, and
 speculation that helps one user slows sixteen. `DraftBudget` picks, per batch size, the depth d that
 maximises expected tokens per second for the batch:

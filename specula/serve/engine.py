@@ -6,7 +6,7 @@ iterator of `TextDelta` events ending in one `Finished` or `Failed`),
 shutdown read. `BatchedEngine` implements it with continuous batching: one worker
 thread keeps up to ``max_batch`` sequences going, each in a slot of its own (a
 `Target.fork` with its own KV cache and a `Drafter.fork`, weights shared), and runs
-one packed target forward per cycle for all of them (`specula.packed`). A request
+one packed target forward per cycle for all of them (`specula.runtime.packed`). A request
 joins at the next cycle after a slot frees, and leaves the moment it ends, which
 frees its slot (its cache shrinks back to its first allocation). How many tokens each
 sequence drafts shrinks with the batch (`specula.serve.budget`).
@@ -32,7 +32,7 @@ import torch
 from specula.decoding import GenerationStats, Sequence
 from specula.detokenize import IncrementalDecoder
 from specula.errors import SpeculaError
-from specula.packed import forward_packed
+from specula.runtime.packed import forward_packed
 from specula.sampling import SamplingParams
 from specula.serve.budget import DEFAULT_MAX_BATCH, DraftBudget, measured_curve
 from specula.serve.metrics import ServerMetrics

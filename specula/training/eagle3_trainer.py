@@ -24,9 +24,9 @@ import torch
 from specula.drafters.chain import chain_acceptance
 from specula.drafters.eagle import check_head_fits
 from specula.errors import SpeculaError
-from specula.formats import load_head
 from specula.heads.eagle3_head import Eagle3Head, default_feature_layers, fused_feature_request
-from specula.target import FeatureRequest, Target
+from specula.heads.formats import load_head
+from specula.runtime.target import FeatureRequest, Target
 from specula.training.eagle_trainer import eagle2_tau
 from specula.training.loop import TrainConfig, run_training
 
@@ -143,7 +143,7 @@ def train_eagle3(target: Target, train_set, eval_set, out: Path, config: TrainCo
                  options: Eagle3TrainOptions = Eagle3TrainOptions(), resume: bool = False, log=print) -> list[dict]:
     """Train an EAGLE-3 head for ``target`` on cached feature samples; writes it to ``out``.
 
-    The head starts fresh, or from ``options.init`` in either layout `specula.formats` reads (fine-tuning on new
+    The head starts fresh, or from ``options.init`` in either layout `specula.heads.formats` reads (fine-tuning on new
     data, e.g. sampled answers for a head trained on greedy ones); such a head keeps its draft vocabulary and
     fused layers.
     """

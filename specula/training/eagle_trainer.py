@@ -22,7 +22,7 @@ from specula.drafters.chain import chain_acceptance
 from specula.drafters.eagle import EagleDrafter, check_head_fits
 from specula.errors import SpeculaError
 from specula.heads.eagle_head import EagleHead
-from specula.target import Target
+from specula.runtime.target import Target
 from specula.training.evaluation import mean_tau
 from specula.training.loop import TrainConfig, run_training, uniform_noise
 

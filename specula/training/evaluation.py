@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from specula.decoding import generate_tokens
+from specula.runtime.target import Target
 from specula.sampling import SamplingParams
-from specula.target import Target
 
 
 def mean_tau(target: Target, drafter, samples, max_new_tokens: int = 48) -> float:

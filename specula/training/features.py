@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 
 from specula.errors import SpeculaError
-from specula.outputs import atomic_write, atomic_write_text
-from specula.readers import check_safetensors, open_safetensors
-from specula.target import FeatureRequest, Target
+from specula.files.outputs import atomic_write, atomic_write_text
+from specula.files.readers import check_safetensors, open_safetensors
+from specula.runtime.target import FeatureRequest, Target
 from specula.training.fingerprints import cache_mismatch, samples_hash, stable_hash, target_fingerprint
 from specula.training.records import Log, TrainingSample
 

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from specula.errors import SpeculaError
-from specula.target import Target
+from specula.runtime.target import Target
 from specula.training.records import TrainingRecord, TrainingSample
 
 FORMAT_VERSION = 1

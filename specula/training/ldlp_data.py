@@ -30,10 +30,10 @@ from tqdm.auto import tqdm
 
 from specula.drafters.chain import chain_labels
 from specula.errors import SpeculaError
+from specula.files.outputs import atomic_write
+from specula.files.readers import load_torch
 from specula.heads.base import DraftHead
-from specula.outputs import atomic_write
-from specula.readers import load_torch
-from specula.target import Target
+from specula.runtime.target import Target
 from specula.training.fingerprints import target_fingerprint
 
 

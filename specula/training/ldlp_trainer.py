@@ -33,10 +33,10 @@ from pathlib import Path
 import torch
 
 from specula.errors import SpeculaError
+from specula.files.outputs import atomic_write_json, prepare_output_dir
 from specula.heads.eagle_head import EagleHead
 from specula.heads.ldlp import LengthPredictor
-from specula.outputs import atomic_write_json, prepare_output_dir
-from specula.target import Target
+from specula.runtime.target import Target
 from specula.training.ldlp_data import LabelledFeatures, label_features
 from specula.training.loop import TrainConfig, run_training
 

@@ -30,8 +30,8 @@ import torch
 from torch import nn
 
 from specula.errors import SpeculaError
-from specula.outputs import atomic_replace_dir, atomic_write_json, prepare_output_dir
-from specula.readers import load_torch
+from specula.files.outputs import atomic_replace_dir, atomic_write_json, prepare_output_dir
+from specula.files.readers import load_torch
 
 MIXED_PRECISION = ("auto", "no", "bf16", "fp16")
 
@@ -166,7 +166,7 @@ def run_training(head: nn.Module, dataset, loss_fn: Callable, config: TrainConfi
 
     loss_fn(head, batch) -> (loss_sum, token_count, metrics): a sum over the batch's
     loss tokens, so that the loop can normalise by the token count of the whole global batch.
-    ``kind`` names the command in the output directory's marker (`specula.outputs`).
+    ``kind`` names the command in the output directory's marker (`specula.files.outputs`).
     Returns the history of logged records (one per step, plus evaluations).
     """
     from accelerate import Accelerator

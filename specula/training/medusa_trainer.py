@@ -38,9 +38,9 @@ import torch.nn.functional as F
 
 from specula.drafters.medusa import CHOICES_FILE, DEFAULT_CHOICES, build_choices, check_heads_fit, expected_accepted
 from specula.errors import SpeculaError
+from specula.files.outputs import atomic_write_json
 from specula.heads.medusa_head import MedusaHeads
-from specula.outputs import atomic_write_json
-from specula.target import Target
+from specula.runtime.target import Target
 from specula.training.evaluation import mean_tau
 from specula.training.loop import TrainConfig, run_training
 

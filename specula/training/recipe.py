@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from specula.errors import SpeculaError
-from specula.target import FeatureRequest, Target
+from specula.runtime.target import FeatureRequest, Target
 from specula.training.features import CachedFeatures, OnlineFeatures, cache_features
 from specula.training.regeneration import prepare_samples
 

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from specula.errors import SpeculaError
-from specula.jsonl import json_lines
+from specula.files.jsonl import json_lines
 
 ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
 

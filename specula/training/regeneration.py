@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 
 from specula.errors import SpeculaError
-from specula.outputs import atomic_write, atomic_write_text
-from specula.readers import load_torch
-from specula.target import Target
+from specula.files.outputs import atomic_write, atomic_write_text
+from specula.files.readers import load_torch
+from specula.runtime.target import Target
 from specula.training.fingerprints import (
     FORMAT_VERSION,
     cache_mismatch,

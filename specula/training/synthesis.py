@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from tqdm.auto import tqdm
 
 from specula.errors import SpeculaError
-from specula.target import Target
+from specula.runtime.target import Target
 from specula.training.regeneration import generate_batch
 
 PROBE = "SpeculaUserMessageProbe"

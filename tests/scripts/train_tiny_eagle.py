@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from specula.target import FeatureRequest, Target
+from specula.runtime.target import FeatureRequest, Target
 from specula.training.eagle_trainer import train_eagle
 from specula.training.loop import TrainConfig
 

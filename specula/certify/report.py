@@ -1,0 +1,221 @@
+"""What `specula check` found: the verdict, a text table and a JSON form.
+
+JSON schema (``CheckReport.as_dict``, version ``specula.check/1``)::
+
+    {
+      "schema": "specula.check/1",
+      "verdict": "certified lossless" | "NOT lossless: <reasons>" | "inconclusive: <reasons>",
+      "status": "certified" | "not_lossless" | "inconclusive",
+      "exit_code": 0 | 1 | 3,
+      "target": str, "method": str, "draft": str | null, "dtype": str, "device": str,
+      "seconds": float,
+      "greedy": {                       # T = 0: the method against vanilla, token for token
+        "prompts": int, "max_new_tokens": int,
+        "identical": int,               # prompts whose new tokens equal vanilla's
+        "compared_tokens": int,         # tokens compared (each prompt up to its first divergence)
+        "drafted": int, "accepted": int,  # the method's draft tokens over the T = 0 runs
+        "relative_tolerance": float,    # near-tie threshold as a fraction of max|logit|, for the dtype
+        "near_ties": int, "real": int,
+        "divergences": [{"prompt": int, "position": int, "vanilla_token": int | null,
+                         "method_token": int | null, "margin": float, "gap": float | null,
+                         "tolerance": float, "kind": "near-tie" | "real",
+                         "verify_width": int | null, "verify_argmax": int | null, "shape_noise": float | null,
+                         "vanilla_text": str | null, "method_text": str | null}]
+      },
+      "sampling": null | {              # T > 0: distribution test (null when temperature is 0)
+        "temperature": float, "top_p": float, "top_k": int, "alpha": float,
+        "prefixes": int, "samples_per_prefix": int, "tokens": int,
+        "drafted": int, "accepted": int,  # the method's draft tokens over the sampled runs
+        "method":  {"samples": int, "p_value": float, "likelihood_z": float, "p_likelihood": float,
+                    "chi2": float, "chi2_df": int, "p_chi2": float | null, "impossible_tokens": int},
+        "control": {"description": str, ...the same fields}   # the planted error that must be rejected
+      }
+    }
+
+Exit codes: 0 certified, 1 NOT lossless, 3 inconclusive (2 is bad input, raised as SpeculaError).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specula.certify.distribution_test import FitResult
+from specula.divergence import NEAR_TIE, REAL, Divergence
+
+SCHEMA = "specula.check/1"
+EXIT_CERTIFIED, EXIT_NOT_LOSSLESS, EXIT_INCONCLUSIVE = 0, 1, 3
+STATUS_EXIT = {"certified": EXIT_CERTIFIED, "not_lossless": EXIT_NOT_LOSSLESS, "inconclusive": EXIT_INCONCLUSIVE}
+
+
+@dataclass
+class GreedyResult:
+    """T = 0: per prompt, the method's tokens against vanilla's."""
+
+    prompts: int
+    max_new_tokens: int
+    identical: int
+    compared_tokens: int
+    drafted: int
+    accepted: int
+    relative_tolerance: float
+    divergences: list[tuple[int, Divergence]] = field(default_factory=list)  # (prompt index, divergence)
+
+    def count(self, kind: str) -> int:
+        return sum(d.kind == kind for _, d in self.divergences)
+
+    def as_dict(self) -> dict:
+        return {"prompts": self.prompts, "max_new_tokens": self.max_new_tokens, "identical": self.identical,
+                "compared_tokens": self.compared_tokens, "drafted": self.drafted, "accepted": self.accepted,
+                "relative_tolerance": self.relative_tolerance, "near_ties": self.count(NEAR_TIE),
+                "real": self.count(REAL),
+                "divergences": [{"prompt": i, **d.as_dict()} for i, d in self.divergences]}
+
+
+@dataclass
+class SamplingResult:
+    """T > 0: the distribution test of the method and of the planted-error control."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    alpha: float
+    prefixes: int
+    samples_per_prefix: int
+    tokens: int
+    drafted: int
+    accepted: int
+    method: FitResult
+    control: FitResult
+    control_description: str
+
+    def as_dict(self) -> dict:
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "alpha": self.alpha,
+                "prefixes": self.prefixes, "samples_per_prefix": self.samples_per_prefix, "tokens": self.tokens,
+                "drafted": self.drafted, "accepted": self.accepted, "method": self.method.as_dict(),
+                "control": {"description": self.control_description, **self.control.as_dict()}}
+
+
+@dataclass
+class CheckReport:
+    target: str
+    method: str
+    draft: str | None
+    dtype: str
+    device: str
+    greedy: GreedyResult
+    sampling: SamplingResult | None
+    seconds: float = 0.0
+
+    @property
+    def problems(self) -> list[str]:
+        """Findings that make the method NOT lossless."""
+        found = []
+        real = [(i, d) for i, d in self.greedy.divergences if d.kind == REAL]
+        if real:
+            where = ", ".join(f"prompt {i} token {d.position}" for i, d in real[:3])
+            where += ", ..." if len(real) > 3 else ""
+            found.append(f"{len(real)} real divergence(s) from vanilla at T=0 ({where})")
+        s = self.sampling
+        if s is not None and s.method.p_value < s.alpha:
+            impossible = (f", {s.method.impossible} token(s) the target never samples"
+                          if s.method.impossible else "")
+            found.append(f"at T={s.temperature:g} the output is not distributed as the target's "
+                         f"(p = {s.method.p_value:.2g} < {s.alpha:g}{impossible})")
+        return found
+
+    @property
+    def doubts(self) -> list[str]:
+        """Reasons the check could not certify a method it did not find at fault."""
+        found = []
+        if self.method != "vanilla" and self.greedy.accepted == 0:
+            found.append("no draft token was accepted at T=0, so greedy equality tested no speculation")
+        s = self.sampling
+        if s is not None:
+            if s.control.p_value >= s.alpha:
+                found.append(f"the test could not detect a planted error with {s.method.samples} samples "
+                             f"(control: {s.control_description}, p = {s.control.p_value:.2g} >= {s.alpha:g}); "
+                             "raise --samples")
+            if self.method != "vanilla" and s.drafted == 0:
+                found.append(f"no draft token was proposed in the T={s.temperature:g} runs")
+        return found
+
+    @property
+    def status(self) -> str:
+        return "not_lossless" if self.problems else "inconclusive" if self.doubts else "certified"
+
+    @property
+    def verdict(self) -> str:
+        if self.problems:
+            return "NOT lossless: " + "; ".join(self.problems)
+        if self.doubts:
+            return "inconclusive: " + "; ".join(self.doubts)
+        return "certified lossless"
+
+    @property
+    def exit_code(self) -> int:
+        return STATUS_EXIT[self.status]
+
+    def as_dict(self) -> dict:
+        return {"schema": SCHEMA, "verdict": self.verdict, "status": self.status, "exit_code": self.exit_code,
+                "target": self.target, "method": self.method, "draft": self.draft, "dtype": self.dtype,
+                "device": self.device, "seconds": round(self.seconds, 2), "greedy": self.greedy.as_dict(),
+                "sampling": None if self.sampling is None else self.sampling.as_dict()}
+
+    def table(self) -> str:
+        """The human-readable report: one block per part, the verdict last."""
+        g = self.greedy
+        draft = f" (draft {self.draft})" if self.draft else ""
+        lines = [f"specula check: target {self.target}, method {self.method}{draft}, {self.dtype}, {self.device}", ""]
+        lines.append(f"T=0  {_count(g.prompts, 'prompt')} x {g.max_new_tokens} new tokens against vanilla: "
+                     f"{g.identical} identical, {_count(g.count(NEAR_TIE), 'near-tie')}, "
+                     f"{_count(g.count(REAL), 'real divergence')}; {g.accepted}/{g.drafted} drafts accepted")
+        lines.append(f"     near-tie tolerance for {self.dtype}: {g.relative_tolerance:.1e} x max|logit|")
+        if g.divergences:
+            lines.append(f"     {'prompt':>6} {'token':>5} {'vanilla':>14} {'method':>14} {'top-2 margin':>12} "
+                         f"{'gap':>10} {'tolerance':>10} {'verify argmax':>13}  kind")
+            for i, d in g.divergences:
+                gap = "-" if d.gap == float("inf") else f"{d.gap:.3g}"
+                verify = "-" if d.verify_argmax is None else f"{d.verify_argmax} (k={d.verify_width})"
+                lines.append(f"     {i:>6} {d.position:>5} {_tok(d.vanilla_token, d.vanilla_text):>14} "
+                             f"{_tok(d.method_token, d.method_text):>14} {d.margin:>12.3g} {gap:>10} "
+                             f"{d.tolerance:>10.3g} {verify:>13}  {d.kind}")
+        s = self.sampling
+        if s is None:
+            lines += ["", "T>0  not tested (temperature 0)"]
+        else:
+            filters = "".join([f", top-p {s.top_p:g}" if s.top_p < 1 else "", f", top-k {s.top_k}" if s.top_k else ""])
+            lines += ["", f"T={s.temperature:g}{filters}  {_count(s.prefixes, 'prompt')} x {s.samples_per_prefix} "
+                          f"samples of the first {s.tokens} tokens through the method's loop; "
+                          f"{s.accepted}/{s.drafted} drafts accepted"]
+            lines.append(f"     {'test':<24} {'method':>22} {'control':>22}")
+            m, c = s.method, s.control
+            lines.append(f"     {'likelihood z':<24} {_p(m.p_likelihood) + f' (z {m.z:+.2f})':>22} "
+                         f"{_p(c.p_likelihood) + f' (z {c.z:+.2f})':>22}")
+            lines.append(f"     {'pooled chi-square':<24} {_chi(m):>22} {_chi(c):>22}")
+            lines.append(f"     {'p (Bonferroni)':<24} {_p(m.p_value):>22} {_p(c.p_value):>22}   alpha {s.alpha:g}")
+            lines.append(f"     control: {s.control_description}; "
+                         "it must be rejected (p < alpha) for the test to count")
+        lines += ["", f"verdict: {self.verdict}  ({self.seconds:.1f} s)"]
+        return "\n".join(lines)
+
+
+def _tok(token: int | None, text: str | None = None) -> str:
+    if token is None:
+        return "end"
+    return str(token) if text is None else f"{token} {text[:6]!r}"
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+def _p(p: float | None) -> str:
+    if p is None:
+        return "-"
+    return f"{p:.3f}" if p >= 1e-3 else f"{p:.1e}"
+
+
+def _chi(fit: FitResult) -> str:
+    if fit.p_chi2 is None:
+        return "- (no cells)"
+    return f"{_p(fit.p_chi2)} (df {fit.df})"
