@@ -25,10 +25,11 @@ reductions reorder over more terms; typical top-2 margins are O(1) logits, so a 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
+from specula.decoding import GenerationStats
 from specula.runtime.target import Target
 
 ULPS = 4
@@ -151,4 +152,63 @@ def explain(target: Target, prompt: torch.Tensor, vanilla: list[int], method: li
             result.verify_argmax = int(torch.argmax(shaped))
             result.shape_noise = float((shaped - one_step).abs().max())
     target.reset()
+    return result
+
+
+# ---------------------------------------------------------------- a method against vanilla
+
+
+@dataclass
+class GreedyResult:
+    """T = 0: per prompt, the method's tokens against vanilla's."""
+
+    prompts: int
+    max_new_tokens: int
+    identical: int
+    compared_tokens: int
+    drafted: int
+    accepted: int
+    relative_tolerance: float
+    divergences: list[tuple[int, Divergence]] = field(default_factory=list)  # (prompt index, divergence)
+
+    def count(self, kind: str) -> int:
+        return sum(d.kind == kind for _, d in self.divergences)
+
+    def as_dict(self) -> dict:
+        return {"prompts": self.prompts, "max_new_tokens": self.max_new_tokens, "identical": self.identical,
+                "compared_tokens": self.compared_tokens, "drafted": self.drafted, "accepted": self.accepted,
+                "relative_tolerance": self.relative_tolerance, "near_ties": self.count(NEAR_TIE),
+                "real": self.count(REAL),
+                "divergences": [{"prompt": i, **d.as_dict()} for i, d in self.divergences]}
+
+
+def _verify_block(stats: GenerationStats, position: int) -> tuple[int, int] | None:
+    """(first new-token index, block width) of the cycle that emitted new token ``position`` (None: the prefill)."""
+    start = 1  # the prefill emits token 0
+    for accepted, size in zip(stats.accepted_lengths, stats.tree_sizes, strict=True):
+        if position < start + accepted + 1:
+            return start, size + 1
+        start += accepted + 1
+    return None
+
+
+def check_greedy(speculator, vanilla, prompts: list[torch.Tensor], max_new_tokens: int) -> GreedyResult:
+    """Part 1: the method against vanilla at T = 0, every divergence explained."""
+    target = speculator.target
+    result = GreedyResult(len(prompts), max_new_tokens, 0, 0, 0, 0, relative_tolerance(compute_dtype(target)))
+    for index, ids in enumerate(prompts):
+        expected = vanilla.generate(ids, max_new_tokens).token_ids
+        run = speculator.generate(ids, max_new_tokens)
+        result.drafted += sum(run.stats.tree_sizes)
+        result.accepted += sum(run.stats.accepted_lengths)
+        position = first_difference(expected, run.token_ids)
+        if position is None:
+            result.identical += 1
+            result.compared_tokens += len(expected)
+            continue
+        divergence = explain(target, ids, expected, run.token_ids, _verify_block(run.stats, position))
+        for side, token in (("vanilla_text", divergence.vanilla_token), ("method_text", divergence.method_token)):
+            setattr(divergence, side, None if token is None else speculator.tokenizer.convert_ids_to_tokens(token))
+        result.compared_tokens += divergence.position + 1
+        result.divergences.append((index, divergence))
     return result

@@ -586,13 +586,12 @@ def test_calibrate_with_auto_weights_records_the_fastest_lossless_format(tmp_pat
 
 def test_a_format_with_a_real_divergence_is_never_chosen(tmp_path, story_questions, monkeypatch):
     import specula.bench.calibrate as calibration
-    import specula.certify.check as certify
     from specula.divergence import REAL, Divergence
 
     steps = {"float32": 4e-3, "bfloat16": 3e-3, "int8": 2e-3, "int4": 1e-3, "q4_1": 5e-3}  # int4 the fastest
     monkeypatch.setattr(calibration, "measure_verify_curve",
                         lambda target, prefix, sizes, repeats: {1: steps[target.weights]})
-    honest = certify.check_greedy
+    honest = calibration.check_greedy
 
     def int4_diverges(speculator, vanilla, prompts, max_new_tokens):
         result = honest(speculator, vanilla, prompts, max_new_tokens)
@@ -600,7 +599,7 @@ def test_a_format_with_a_real_divergence_is_never_chosen(tmp_path, story_questio
             result.divergences.append((0, Divergence(3, 1, 2, 5.0, 5.0, 1e-3, REAL)))
         return result
 
-    monkeypatch.setattr(certify, "check_greedy", int4_diverges)
+    monkeypatch.setattr(calibration, "check_greedy", int4_diverges)
     opts = calibration.CalibrationOptions(target=STORIES, method="pld", prompts=["Once upon a time"],
                                           max_new_tokens=8, repeats=1)
     choice = calibration.choose_weights(opts)

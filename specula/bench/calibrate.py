@@ -30,21 +30,22 @@ from dataclasses import dataclass
 
 import torch
 
+from specula.api import Speculator
 from specula.bench import theory
+from specula.bench.agreement import ArgmaxReference
 from specula.bench.metrics import depth_counts, pooled_alpha
-from specula.bench.runners import RecordingDrafter, accepted_path, conversation_ids
+from specula.bench.runners import RecordingDrafter, accepted_path
+from specula.chat.template import conversation_ids
 from specula.decoding import generate_tokens
-from specula.divergence import NEAR_TIE, REAL
+from specula.divergence import NEAR_TIE, REAL, check_greedy
 from specula.drafters.vanilla import VanillaDrafter
 from specula.errors import SpeculaError
 from specula.methods import build_speculator, get_method, resolve_draft
 from specula.runtime.compiled_step import WARM_UP_BLOCK
 from specula.runtime.heap import trim_heap
-from specula.runtime.target import FeatureRequest
+from specula.runtime.verify_cost import VERIFY_SIZES, measure_verify_curve, sync
 from specula.runtime.weights import WEIGHT_FORMATS, check_available, resolve_weights
 from specula.sampling import SamplingParams
-
-VERIFY_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 @dataclass
@@ -66,37 +67,6 @@ class CalibrationOptions:
     seed: int = 0
     min_agreement: float = 0.8  # a format that changes more of the model than this is not "auto"
     compile: bool = False  # measure the compiled runtime (`Target.compile`); weight formats are compared eager
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def measure_verify_curve(target, prefix: list[int], sizes=VERIFY_SIZES, repeats: int = 5,
-                         features: FeatureRequest | None = None) -> dict[int, float]:
-    """{n: median seconds of one target forward over n tokens after ``prefix``}; sizes that do not fit are skipped.
-
-    The sizes are timed in interleaved rounds (every size once per round, the first round a warm-up), so a
-    slow stretch of a shared or virtual machine slows every size alike instead of one: on this project's
-    2-core VM one-token steps of the same model vary by 20 % from minute to minute.
-    """
-    device = target.device
-    target.prefill(torch.tensor(prefix, dtype=torch.long, device=device))
-    sizes = [n for n in sizes if len(prefix) + n <= target.max_length]
-    times = {n: [] for n in sizes}
-    for r in range(repeats + 1):
-        for n in sizes:
-            tokens = torch.tensor([prefix[i % len(prefix)] for i in range(n)], dtype=torch.long, device=device)
-            mask = torch.ones(n, n, dtype=torch.bool, device=device).tril()
-            _sync(device)
-            start = time.perf_counter()
-            target.forward(tokens, mask, features=features or FeatureRequest())  # the method's own graphs
-            _sync(device)
-            if r:  # the first round is a warm-up
-                times[n].append(time.perf_counter() - start)
-            target.commit([])  # keep nothing: the prefix stays as it was
-    return {n: statistics.median(t) for n, t in times.items()}
 
 
 def tree_statistics(cycles) -> dict:
@@ -161,17 +131,13 @@ def choose_weights(opts: CalibrationOptions, log=lambda message: None) -> dict:
 
     For every concrete format the device runs (`specula.runtime.weights.check_available`): the target's one-token
     step after the first prompt (median of ``repeats``), the method against vanilla at T = 0 on the
-    calibration prompts, every divergence classified as `specula check` does (`certify.check_greedy`), and
+    calibration prompts, every divergence classified as `specula check` does (`divergence.check_greedy`), and
     the format's top-1 agreement with the float32 model on float32's own greedy answers to those prompts
     (how much of the model the format keeps: quantization makes another model, which every method then
     decodes losslessly). The choice is the fastest step among the formats with no real divergence
     (near-ties are floating-point rounding of the same model) and an agreement of at least
     ``opts.min_agreement``. Returns {"choice", "method", "formats": {format: measurements}}.
     """
-    from specula.api import Speculator
-    from specula.bench.agreement import ArgmaxReference
-    from specula.certify.check import check_greedy
-
     formats, reference = {}, None  # reference: (prompt + float32's answer, answer start, float32's argmax there)
     for fmt in WEIGHT_FORMATS[1:]:
         try:
@@ -260,10 +226,10 @@ def calibrate(opts: CalibrationOptions, log=lambda message: None) -> dict:
     for i, ids in enumerate(prompts):
         ids = torch.tensor(ids, device=target.device)
         for name, d in (("vanilla", vanilla), ("method", drafter)):
-            _sync(target.device)
+            sync(target.device)
             start = time.perf_counter()
             tokens, stats = generate_tokens(target, d, ids, opts.max_new_tokens, params, opts.seed + i)
-            _sync(target.device)
+            sync(target.device)
             rates[name].append(len(tokens) / (time.perf_counter() - start))
             if name == "method":
                 cycles += drafter.cycles

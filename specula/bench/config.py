@@ -39,14 +39,27 @@ from typing import Any
 
 from specula.bench.llamacpp_options import LLAMACPP_METHODS, check_llamacpp_options
 from specula.errors import SpeculaError
-from specula.methods import METHODS, AcceptanceOptions, check_options
+from specula.methods import METHODS, AcceptanceOptions, OptionSpec, check_options
 
-# Outside baselines run through `transformers` generate, each with the options it understands.
-HF_METHODS = {
-    "hf": set(),
-    "hf_assisted": {"num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold"},
-    "hf_pld": {"num_tokens", "max_matching_ngram_size"},
+# Outside baselines run through `transformers` generate, each with the options it understands, checked as the
+# registry checks ours (`OptionSpec.coerce`): a value transformers would reject, or silently misread, mid-run is
+# refused before any model loads.
+HF_METHODS: dict[str, dict[str, OptionSpec]] = {
+    "hf": {},
+    "hf_assisted": {
+        "num_assistant_tokens": OptionSpec("num_assistant_tokens", "int", "num_assistant_tokens",
+                                           "draft tokens per step", 1),
+        "assistant_confidence_threshold": OptionSpec("assistant_confidence_threshold", "float",
+                                                     "assistant_confidence_threshold", "stop drafting below", 0),
+        "num_assistant_tokens_schedule": None,  # a name, checked against HF_SCHEDULES
+    },
+    "hf_pld": {
+        "num_tokens": OptionSpec("num_tokens", "int", "num_tokens", "prompt lookup tokens per step", 1),
+        "max_matching_ngram_size": OptionSpec("max_matching_ngram_size", "int", "max_matching_ngram_size",
+                                              "longest n-gram matched", 1),
+    },
 }
+HF_SCHEDULES = ("constant", "heuristic", "heuristic_transient")
 BENCH_KEYS = {"target", "methods", "data", "category", "temperature", "max_new_tokens", "limit", "seed", "out",
               "dtype", "device", "threads", "top_p", "top_k", "max_prompt_tokens", "warmup_tokens", "llama_server",
               "weights", "compile"}
@@ -161,10 +174,11 @@ def method_specs(labels: list[str], tables: dict[str, dict], overrides: list[str
         if draft is not None and not isinstance(draft, str):
             raise SpeculaError(f"method {label}: 'draft' must be a directory path")
         if method in HF_METHODS:
-            unknown = set(table) - HF_METHODS[method]
+            unknown = set(table) - set(HF_METHODS[method])
             if unknown:
                 raise SpeculaError(f"method {label} ({method}) does not take option(s) {', '.join(sorted(unknown))}; "
                                    f"it takes {', '.join(sorted(HF_METHODS[method])) or 'none'}")
+            table = hf_options(label, method, table)
             if method == "hf_assisted" and not draft:
                 raise SpeculaError(f"method {label} (hf_assisted) needs a draft model: set draft in "
                                    f"[methods.{label}] or --option {label}.draft=DIR")
@@ -174,6 +188,23 @@ def method_specs(labels: list[str], tables: dict[str, dict], overrides: list[str
             table = checked_options(label, method, table, (defaults or {}).get(method, {}))
         specs.append(MethodSpec(label, method, draft, table))
     return specs
+
+
+def hf_options(label: str, method: str, table: dict) -> dict:
+    """A `transformers` baseline's options with their types and ranges checked (``table``'s names are known)."""
+    checked = {}
+    for key, value in table.items():
+        spec = HF_METHODS[method][key]
+        where = f"method {label}: "
+        if spec is None:
+            if value not in HF_SCHEDULES:
+                raise SpeculaError(f"{where}{key} must be one of {', '.join(HF_SCHEDULES)}, got {value!r}")
+            checked[key] = value
+            continue
+        checked[key] = spec.coerce(value, where)
+        if key == "assistant_confidence_threshold" and checked[key] > 1:
+            raise SpeculaError(f"{where}{key} is a probability, from 0 to 1, got {checked[key]:g}")
+    return checked
 
 
 def checked_options(label: str, method: str, table: dict, defaults: dict) -> dict:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from specula.chat.template import conversation_ids
 from specula.divergence import explain
 
 
@@ -21,8 +22,6 @@ def annotate_divergences(records: list[dict], target, questions: dict, baseline:
     (uid -> Question) are left alone. Later turns are compared only while earlier turns are equal,
     since each turn's prompt holds the answers before it.
     """
-    from specula.bench.runners import conversation_ids
-
     tokenizer = target.tokenizer
     base = {r["question"]: r for r in records if r["method"] == baseline and float(r["temperature"]) == 0}
     for record in records:

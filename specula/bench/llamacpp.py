@@ -37,6 +37,9 @@ from specula.bench.llama_server import LlamaServer, find_llama_server, server_ve
 from specula.bench.llamacpp_options import DRAFT_OPTIONS
 from specula.bench.runners import TurnResult
 from specula.errors import SpeculaError
+from specula.gguf.heads import export_eagle3_gguf
+from specula.gguf.target import export_llama_gguf
+from specula.runtime.model_source import gguf_source, resolve_model
 from specula.sampling import SamplingParams
 
 # ---------------------------------------------------------------- the request and the answer
@@ -109,9 +112,6 @@ def summarize_turns(turns: list[dict]) -> dict | None:
 
 def target_gguf(target: str, workdir: Path) -> Path:
     """The GGUF file llama.cpp runs for ``target``: the target's own, or a Llama directory written as F32 GGUF."""
-    from specula.gguf.target import export_llama_gguf
-    from specula.runtime.model_source import gguf_source, resolve_model
-
     found = gguf_source(target)
     if found is not None:
         return Path(found)
@@ -126,10 +126,7 @@ def draft_gguf(draft: str, spec_type: str, target_file: Path, workdir: Path) -> 
     if not path.is_dir():
         raise SpeculaError(f"draft {draft} is neither a .gguf file nor a directory")
     if spec_type == "draft-eagle3":
-        from specula.gguf.heads import export_eagle3_gguf
-
         return export_eagle3_gguf(path, target_file, workdir / "draft-eagle3.gguf")
-    from specula.gguf.target import export_llama_gguf
 
     return export_llama_gguf(path, workdir / "draft.gguf")
 

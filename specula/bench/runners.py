@@ -26,6 +26,8 @@ import torch
 
 from specula.bench.config import MethodSpec
 from specula.bench.metrics import add_to_calibration, depth_counts, empty_calibration
+from specula.decoding import generate_tokens
+from specula.drafters.draft_model import check_same_vocabulary
 from specula.methods import build_speculator
 from specula.runtime.target import Target
 from specula.sampling import SamplingParams
@@ -231,8 +233,6 @@ class SpeculaRunner:
         self.draft_model = draft if isinstance(draft, Target) else None  # a separate model with its own context
 
     def run(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams, seed: int) -> TurnResult:
-        from specula.decoding import generate_tokens
-
         device = self.target.device
         ids = torch.tensor(prompt_ids, dtype=torch.long, device=device)
         _cuda_reset(device)
@@ -281,8 +281,6 @@ class HFRunner:
         self.kwargs: dict = {}
         self.draft_model: Target | None = None
         if spec.method == "hf_assisted":
-            from specula.drafters.draft_model import check_same_vocabulary
-
             draft = Target.load(spec.draft, dtype=dtype, device=target.device, role="draft")
             check_same_vocabulary(target, draft)
             self.draft_model = draft

@@ -98,7 +98,32 @@ def read_results(out: Path) -> dict | None:
     if not all(isinstance(r, dict) for r in data["records"]) or not isinstance(data.get("settings", {}), dict):
         raise SpeculaError(f"cannot resume from {path}: its records or settings are not JSON objects "
                            "(move it away to start over)")
+    for index, record in enumerate(data["records"]):
+        problem = record_problem(record)
+        if problem:
+            raise SpeculaError(f"cannot resume from {path}: record {index} is not a bench record ({problem}); "
+                               "move it away to start over")
     return data
+
+
+# What a resumed record must hold for the report to be computed from it (`run_question` writes these and more).
+RECORD_FIELDS = {"question": str, "method": str, "temperature": (int, float), "turns": list,
+                 "new_tokens": int, "wall_time": (int, float), "tokens_per_s": (int, float)}
+
+
+def record_problem(record: dict) -> str | None:
+    """Why ``record`` cannot be one `run_question` wrote (a missing or mistyped field), or None."""
+    for key, kind in RECORD_FIELDS.items():
+        value = record.get(key)
+        if value is None:
+            return f"no '{key}'"
+        if isinstance(value, bool) or not isinstance(value, kind):
+            return f"'{key}' is {type(value).__name__}"
+    for turn in record["turns"]:
+        if not isinstance(turn, dict) or not isinstance(turn.get("token_ids"), list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in turn["token_ids"]):
+            return "a turn without a list of token ids"
+    return None
 
 
 def dumps_results(data: dict) -> str:

@@ -23,6 +23,8 @@ from __future__ import annotations
 import heapq
 from collections.abc import Mapping, Sequence
 
+from specula.runtime.verify_cost import verify_cost
+
 
 def expected_tokens(alpha: float, gamma: int) -> float:
     """Expected tokens per cycle with γ drafts: (1 − α^(γ+1)) / (1 − α); γ + 1 when α = 1."""
@@ -34,22 +36,6 @@ def expected_tokens(alpha: float, gamma: int) -> float:
 def improvement_factor(alpha: float, gamma: int, c: float) -> float:
     """The lecture's expected walltime improvement: (1 − α^(γ+1)) / ((1 − α)(γc + 1))."""
     return expected_tokens(alpha, gamma) / (gamma * c + 1.0)
-
-
-def verify_cost(curve: Mapping[int, float], n: int) -> float:
-    """Time of one target forward over ``n`` tokens, linearly interpolated between measured sizes."""
-    sizes = sorted(curve)
-    if not sizes:
-        raise ValueError("empty verify-cost curve")
-    if n <= sizes[0]:
-        return curve[sizes[0]]
-    for lo, hi in zip(sizes, sizes[1:], strict=False):
-        if n <= hi:
-            return curve[lo] + (curve[hi] - curve[lo]) * (n - lo) / (hi - lo)
-    if len(sizes) == 1:
-        return curve[sizes[0]]
-    lo, hi = sizes[-2], sizes[-1]  # extrapolate with the last slope
-    return curve[hi] + (curve[hi] - curve[lo]) * (n - hi) / (hi - lo)
 
 
 def hardware_improvement(alpha: float, gamma: int, c: float, curve: Mapping[int, float] | None = None) -> float:

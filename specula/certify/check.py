@@ -53,13 +53,13 @@ import torch
 
 from specula.acceptance import Acceptance
 from specula.api import Speculator
-from specula.bench.runners import conversation_ids
 from specula.certify.distribution_test import MIN_EXPECTED, fit, likely_sequences, token_statistics
 from specula.certify.exact_distribution import ExactDistribution
 from specula.certify.forward_memo import ForwardMemo
-from specula.certify.report import CheckReport, GreedyResult, SamplingResult
-from specula.decoding import GenerationStats, generate_tokens
-from specula.divergence import compute_dtype, explain, first_difference, relative_tolerance
+from specula.certify.report import CheckReport, SamplingResult
+from specula.chat.template import conversation_ids
+from specula.decoding import generate_tokens
+from specula.divergence import check_greedy, compute_dtype
 from specula.drafters.vanilla import VanillaDrafter
 from specula.errors import SpeculaError
 from specula.files.jsonl import json_lines
@@ -125,38 +125,6 @@ def encode_prompt(speculator, prompt: str, max_new_tokens: int) -> torch.Tensor:
                            f"{speculator.target.max_length}-token context")
     ids, _ = conversation_ids(speculator.tokenizer, [prompt], [], limit)
     return speculator.encode(ids)
-
-
-def _verify_block(stats: GenerationStats, position: int) -> tuple[int, int] | None:
-    """(first new-token index, block width) of the cycle that emitted new token ``position`` (None: the prefill)."""
-    start = 1  # the prefill emits token 0
-    for accepted, size in zip(stats.accepted_lengths, stats.tree_sizes, strict=True):
-        if position < start + accepted + 1:
-            return start, size + 1
-        start += accepted + 1
-    return None
-
-
-def check_greedy(speculator, vanilla, prompts: list[torch.Tensor], max_new_tokens: int) -> GreedyResult:
-    """Part 1: the method against vanilla at T = 0, every divergence explained."""
-    target = speculator.target
-    result = GreedyResult(len(prompts), max_new_tokens, 0, 0, 0, 0, relative_tolerance(compute_dtype(target)))
-    for index, ids in enumerate(prompts):
-        expected = vanilla.generate(ids, max_new_tokens).token_ids
-        run = speculator.generate(ids, max_new_tokens)
-        result.drafted += sum(run.stats.tree_sizes)
-        result.accepted += sum(run.stats.accepted_lengths)
-        position = first_difference(expected, run.token_ids)
-        if position is None:
-            result.identical += 1
-            result.compared_tokens += len(expected)
-            continue
-        divergence = explain(target, ids, expected, run.token_ids, _verify_block(run.stats, position))
-        for side, token in (("vanilla_text", divergence.vanilla_token), ("method_text", divergence.method_token)):
-            setattr(divergence, side, None if token is None else speculator.tokenizer.convert_ids_to_tokens(token))
-        result.compared_tokens += divergence.position + 1
-        result.divergences.append((index, divergence))
-    return result
 
 
 def _draft_model(drafter) -> Target | None:

@@ -37,38 +37,14 @@ Exit codes: 0 certified, 1 NOT lossless, 3 inconclusive (2 is bad input, raised 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from specula.certify.distribution_test import FitResult
-from specula.divergence import NEAR_TIE, REAL, Divergence
+from specula.divergence import NEAR_TIE, REAL, GreedyResult
 
 SCHEMA = "specula.check/1"
 EXIT_CERTIFIED, EXIT_NOT_LOSSLESS, EXIT_INCONCLUSIVE = 0, 1, 3
 STATUS_EXIT = {"certified": EXIT_CERTIFIED, "not_lossless": EXIT_NOT_LOSSLESS, "inconclusive": EXIT_INCONCLUSIVE}
-
-
-@dataclass
-class GreedyResult:
-    """T = 0: per prompt, the method's tokens against vanilla's."""
-
-    prompts: int
-    max_new_tokens: int
-    identical: int
-    compared_tokens: int
-    drafted: int
-    accepted: int
-    relative_tolerance: float
-    divergences: list[tuple[int, Divergence]] = field(default_factory=list)  # (prompt index, divergence)
-
-    def count(self, kind: str) -> int:
-        return sum(d.kind == kind for _, d in self.divergences)
-
-    def as_dict(self) -> dict:
-        return {"prompts": self.prompts, "max_new_tokens": self.max_new_tokens, "identical": self.identical,
-                "compared_tokens": self.compared_tokens, "drafted": self.drafted, "accepted": self.accepted,
-                "relative_tolerance": self.relative_tolerance, "near_ties": self.count(NEAR_TIE),
-                "real": self.count(REAL),
-                "divergences": [{"prompt": i, **d.as_dict()} for i, d in self.divergences]}
 
 
 @dataclass

@@ -33,6 +33,27 @@ def encode_chat(tokenizer, messages: Sequence[dict]) -> list[int]:
     return [int(i) for i in encoded]
 
 
+def conversation_ids(tokenizer, turns: list[str], answers: list[str], max_prompt_tokens: int) -> tuple[list[int], int]:
+    """Token ids of the conversation up to the newest user turn, and how many ids were cut from the left.
+
+    With a chat template: user/assistant messages and the generation prompt (`encode_chat`).
+    Without one (stories260k, pycoder-25m): the raw texts joined with newlines,
+    tokenized the way `specula generate` tokenizes a prompt.
+    """
+    if has_chat_template(tokenizer):
+        messages = []
+        for i, turn in enumerate(turns):
+            messages.append({"role": "user", "content": turn})
+            if i < len(answers):
+                messages.append({"role": "assistant", "content": answers[i]})
+        ids = encode_chat(tokenizer, messages)
+    else:
+        parts = [p for pair in zip(turns, answers + [None], strict=True) for p in pair if p is not None]
+        ids = tokenizer("\n".join(parts), verbose=False).input_ids
+    cut = max(0, len(ids) - max_prompt_tokens)
+    return ids[cut:], cut
+
+
 def check_messages(messages) -> list[dict]:
     """``messages`` as a list of {"role": str, "content": str}, or a SpeculaError saying what is wrong."""
     if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:

@@ -44,8 +44,14 @@ import numpy as np
 import torch
 
 from specula.errors import SpeculaError
+from specula.files.outputs import atomic_write_gguf
+from specula.gguf.cache import check_gguf_file
 from specula.gguf.vocab import add_hf_vocab, copy_gguf_vocab
+from specula.heads.checkpoint import read_config
 from specula.heads.eagle3_head import Eagle3Head
+from specula.heads.formats import load_head
+from specula.runtime.model_source import DEFAULT_MODEL, default_target
+from specula.runtime.target import check_model_dir
 
 ARCH = "eagle3"
 OUTTYPES = ("auto", "f32", "f16", "bf16")
@@ -81,8 +87,6 @@ class TargetInfo:
 
 def target_gguf_file(target: str | Path) -> Path | None:
     """The GGUF file ``target`` names (a .gguf, a directory holding one and no config.json, the default model)."""
-    from specula.runtime.model_source import DEFAULT_MODEL, default_target
-
     path = Path(target).expanduser()
     if path.is_file() and path.suffix.lower() == ".gguf":
         return path
@@ -100,8 +104,6 @@ def read_target(target: str | Path) -> TargetInfo:
     gguf_file = target_gguf_file(target)
     if gguf_file is not None:
         return _read_gguf_target(gguf_file)
-    from specula.heads.checkpoint import read_config
-    from specula.runtime.target import check_model_dir
 
     target_dir = check_model_dir(target, "target")
     config = read_config(target_dir, "target model")
@@ -115,8 +117,6 @@ def read_target(target: str | Path) -> TargetInfo:
 
 def _read_gguf_target(gguf_file: Path) -> TargetInfo:
     from gguf import GGUFReader
-
-    from specula.gguf.cache import check_gguf_file
 
     arch = check_gguf_file(gguf_file)
     reader = GGUFReader(gguf_file)
@@ -251,8 +251,6 @@ def build_writer(head: Eagle3Head, head_dir: Path, target: TargetInfo, ftype):
 
 def check_out_file(out: Path, *inputs: Path) -> None:
     """``out`` must be a .gguf path that is none of the inputs and no file but an earlier eagle3 export."""
-    from specula.gguf.cache import check_gguf_file
-
     if out.suffix.lower() != ".gguf":
         raise SpeculaError(f"--out {out} must name a .gguf file")
     if any(out.resolve() == Path(p).resolve() for p in inputs):
@@ -275,9 +273,6 @@ def export_eagle3_gguf(head_dir: str | Path, target: str | Path, out_file: str |
     name `specula.runtime.model_source.resolve_model` knows. The file is written atomically, and
     only after every check has passed: bad input leaves nothing behind.
     """
-    from specula.files.outputs import atomic_write_gguf
-    from specula.heads.formats import load_head
-
     head_dir, out = Path(head_dir), Path(out_file)
     check_out_file(out, head_dir, Path(target))
     info = read_target(target)

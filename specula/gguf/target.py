@@ -21,6 +21,10 @@ from pathlib import Path
 import numpy as np
 
 from specula.errors import SpeculaError
+from specula.files.outputs import atomic_write_gguf
+from specula.gguf.heads import permute_rope_rows
+from specula.gguf.vocab import add_hf_vocab, copy_gguf_vocab
+from specula.heads.checkpoint import read_config
 
 ARCH = "llama"
 OUTTYPES = ("f32", "f16")
@@ -41,8 +45,6 @@ GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.we
 
 
 def _config(model_dir: Path) -> dict:
-    from specula.heads.checkpoint import read_config
-
     config = read_config(model_dir, "model")
     if config.get("model_type") != "llama":
         raise SpeculaError(f"{model_dir} is a '{config.get('model_type')}' model; only Llama models can be exported "
@@ -79,8 +81,6 @@ def _state_dict(model_dir: Path) -> dict[str, np.ndarray]:
 
 def llama_tensors(state: dict[str, np.ndarray], config: dict) -> list[tuple[str, np.ndarray]]:
     """(GGUF name, float32 data) of every tensor llama.cpp loads, Q/K rows permuted to its RoPE layout."""
-    from specula.gguf.heads import permute_rope_rows
-
     heads, kv_heads = int(config["num_attention_heads"]), int(config.get("num_key_value_heads") or
                                                              config["num_attention_heads"])
     out = []
@@ -111,8 +111,6 @@ def build_writer(model_dir: Path, outtype: str = "f32", vocab_gguf: Path | None 
     dequantized from, for tokenizers `add_hf_vocab` cannot write), else built from the directory.
     """
     import gguf
-
-    from specula.gguf.vocab import add_hf_vocab, copy_gguf_vocab
 
     if outtype not in OUTTYPES:
         raise SpeculaError(f"unknown GGUF output type '{outtype}'; choose one of {', '.join(OUTTYPES)}")
@@ -150,8 +148,6 @@ def build_writer(model_dir: Path, outtype: str = "f32", vocab_gguf: Path | None 
 def export_llama_gguf(model_dir: str | Path, out_file: str | Path, outtype: str = "f32",
                       vocab_gguf: str | Path | None = None) -> Path:
     """Write the Hugging Face Llama model in ``model_dir`` as a llama.cpp GGUF ``out_file`` (atomically)."""
-    from specula.files.outputs import atomic_write_gguf
-
     model_dir, out = Path(model_dir), Path(out_file)
     if out.suffix.lower() != ".gguf":
         raise SpeculaError(f"{out} must name a .gguf file")

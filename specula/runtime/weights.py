@@ -51,6 +51,8 @@ import torch
 from torch import nn
 
 from specula.errors import SpeculaError
+from specula.gguf.blocks import EMBEDDING, carried_groups, read_linear_blocks
+from specula.kernels.q4_1 import unavailable_reason
 from specula.runtime.float32_layout import columns_layout_pays
 from specula.runtime.heap import trim_heap
 from specula.runtime.profile import measured_on
@@ -139,8 +141,6 @@ def check_available(fmt: str, device: torch.device | str, compute_dtype: torch.d
     if fmt in ("float32", "auto"):
         return
     if fmt == "q4_1":
-        from specula.kernels.q4_1 import unavailable_reason
-
         if reason := unavailable_reason(device):
             raise SpeculaError(f"q4_1 weights are not available: {reason}; use --weights int4 or float32")
     probe = nn.Linear(GROUP_SIZE, 16, bias=False).to(device=device, dtype=torch.float32)
@@ -194,8 +194,6 @@ class LinearConverter:
             check_available(self.fmt, device, compute_dtype)
         self.blocks = {}
         if self.fmt != "float32" and gguf_file is not None:
-            from specula.gguf.blocks import EMBEDDING, read_linear_blocks
-
             blocks = read_linear_blocks(gguf_file, bool(getattr(config, "tie_word_embeddings", False)))
             trim_heap()  # the reader parsed the whole vocabulary into Python objects (SmolLM2: ~160 MB, freed)
             # Linears' blocks carry into the 4-bit formats only; a Q8_0 embedding's suit every format that gives
@@ -343,8 +341,6 @@ def _release_loaded_memory(model: nn.Module) -> None:
 
 def _carried(name: str, linear: nn.Linear, blocks, config):
     """The GGUF groups for ``name`` if they reproduce the loaded weight, else None."""
-    from specula.gguf.blocks import carried_groups
-
     heads = None
     if name.endswith("q_proj"):
         heads = config.num_attention_heads

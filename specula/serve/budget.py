@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from specula.bench.theory import verify_cost
 from specula.errors import SpeculaError
+from specula.runtime.verify_cost import measure_verify_curve, verify_cost
 
 DEFAULT_MAX_BATCH = 16  # sequences per packed forward: SmolLM2 q4_1 151 tok/s at 16 vs 134 at 8, 164 at 32 (2x latency)
 PRIOR_ACCEPTANCE = 0.5  # P(depth i accepted | depth i-1 accepted) before any traffic
@@ -134,8 +134,6 @@ class DraftBudget:
 def measured_curve(target, max_batch: int) -> dict[int, float]:
     """Seconds of one target forward over n tokens, n = 1, 2, 4, … up to 16 per sequence at ``max_batch``,
     measured now on the loaded target (a few seconds on SmolLM2), for the draft budget."""
-    from specula.bench.calibrate import measure_verify_curve  # (the bench's heavier imports, only when needed)
-
     sizes, n = [], 1
     while n <= min(16 * max_batch, 256):
         sizes.append(n)
