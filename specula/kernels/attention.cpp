@@ -16,11 +16,19 @@
 //   3. the weighted sum of values with the output row held in registers (up to 64 floats per pass).
 // It is not bit-equal to SDPA (a different order of sums and another exp); the eager and the compiled step
 // both call it, so a target attends the same way in both.
+//
+// Row invariance: a row attends over the keys its mask marks taken in slot order and reduced in chunks of 8 by
+// their rank among them, never over the masked slots between them. So a row of a k-token verify pass (a chain:
+// the prefix and the block entries before it; a tree: the prefix and its ancestors, wherever the block put
+// them) gets the very bits the one-token step over the same tokens gets, whatever the number of rows, the
+// slots the block spans, a compiled step's padding, or the other sequences of a packed step.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <vector>
 
@@ -47,13 +55,31 @@ inline __m256 exp8(__m256 x) {
   return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(two_n)), keep);
 }
 
-// [q . k_0, ..., q . k_7] for keys k_i = keys + i * stride, d a multiple of 8.
-inline __m256 eight_dots(const float* q, const float* keys, int64_t stride, int64_t d) {
+// Where a row's j-th visible key sits in the cache: slot j itself (a row that sees every slot before ``end``)
+// or the j-th entry of a list of the slots its mask marks. Both give the same arithmetic: a row's result is a
+// function of its query and of the sequence of keys and values it sees, not of where they sit in the cache,
+// how many slots the block spans, nor how many rows the call holds (`row invariance`, below).
+struct AllSlots {
+  int64_t operator[](int64_t j) const { return j; }
+};
+struct ListedSlots {
+  const int32_t* slots;
+  int64_t operator[](int64_t j) const { return slots[j]; }
+};
+
+// [q . k_0, ..., q . k_{take-1}] for the visible keys j .. j + take - 1 (take <= 8; lanes past ``take`` repeat
+// the last key and are not used), d a multiple of 8. Every key's dot product is the same sequence of
+// operations whichever lane it takes: 8-lane fma over d, then ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)).
+template <class Slots>
+inline __m256 eight_dots(const float* q, const float* keys, int64_t stride, Slots slots, int64_t j, int64_t take,
+                         int64_t d) {
+  const float* k[8];
+  for (int i = 0; i < 8; ++i) k[i] = keys + slots[j + std::min<int64_t>(i, take - 1)] * stride;
   __m256 acc[8];
   for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t c = 0; c < d; c += 8) {
     const __m256 qc = _mm256_loadu_ps(q + c);
-    for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(keys + i * stride + c), acc[i]);
+    for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k[i] + c), acc[i]);
   }
   // Pairwise sums, then the two 128-bit halves: lane i of the result is the whole sum of acc[i].
   const __m256 s01 = _mm256_hadd_ps(acc[0], acc[1]), s23 = _mm256_hadd_ps(acc[2], acc[3]);
@@ -62,83 +88,78 @@ inline __m256 eight_dots(const float* q, const float* keys, int64_t stride, int6
   return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 
-inline float one_dot(const float* q, const float* k, int64_t d) {
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t c = 0; c < d; c += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), _mm256_loadu_ps(k + c), acc);
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, acc);
-  float sum = 0.0f;
-  for (float lane : lanes) sum += lane;
-  return sum;
-}
-
-// out[c0, c0 + 8 * V) = sum_j p[j] * values[j][c0, c0 + 8 * V), the output columns held in V registers.
-template <int V>
-inline void weighted_columns(const float* p, const float* values, int64_t stride, int64_t end, int64_t c0,
-                             float norm, float* out) {
+// out[c0, c0 + 8 * V) = sum_j p[j] * value_j[c0, c0 + 8 * V) over the visible values in order, the output
+// columns held in V registers.
+template <int V, class Slots>
+inline void weighted_columns(const float* p, const float* values, int64_t stride, Slots slots, int64_t count,
+                             int64_t c0, float norm, float* out) {
   __m256 acc[V];
   for (int i = 0; i < V; ++i) acc[i] = _mm256_setzero_ps();
-  for (int64_t j = 0; j < end; ++j) {
-    if (p[j] == 0.0f) continue;  // masked slots (and underflows) add nothing
+  for (int64_t j = 0; j < count; ++j) {
+    if (p[j] == 0.0f) continue;  // underflows add nothing
     const __m256 w = _mm256_set1_ps(p[j]);
-    const float* v = values + j * stride + c0;
+    const float* v = values + slots[j] * stride + c0;
     for (int i = 0; i < V; ++i) acc[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * i), acc[i]);
   }
   const __m256 scale = _mm256_set1_ps(norm);
   for (int i = 0; i < V; ++i) _mm256_storeu_ps(out + c0 + 8 * i, _mm256_mul_ps(acc[i], scale));
 }
 
-void weighted_sum(const float* p, const float* values, int64_t stride, int64_t end, int64_t d, float norm,
-                  float* out) {
+template <class Slots>
+void weighted_sum(const float* p, const float* values, int64_t stride, Slots slots, int64_t count, int64_t d,
+                  float norm, float* out) {
   int64_t c0 = 0;
-  for (; c0 + 64 <= d; c0 += 64) weighted_columns<8>(p, values, stride, end, c0, norm, out);
+  for (; c0 + 64 <= d; c0 += 64) weighted_columns<8>(p, values, stride, slots, count, c0, norm, out);
   switch ((d - c0) / 8) {
-    case 1: weighted_columns<1>(p, values, stride, end, c0, norm, out); break;
-    case 2: weighted_columns<2>(p, values, stride, end, c0, norm, out); break;
-    case 3: weighted_columns<3>(p, values, stride, end, c0, norm, out); break;
-    case 4: weighted_columns<4>(p, values, stride, end, c0, norm, out); break;
-    case 5: weighted_columns<5>(p, values, stride, end, c0, norm, out); break;
-    case 6: weighted_columns<6>(p, values, stride, end, c0, norm, out); break;
-    case 7: weighted_columns<7>(p, values, stride, end, c0, norm, out); break;
+    case 1: weighted_columns<1>(p, values, stride, slots, count, c0, norm, out); break;
+    case 2: weighted_columns<2>(p, values, stride, slots, count, c0, norm, out); break;
+    case 3: weighted_columns<3>(p, values, stride, slots, count, c0, norm, out); break;
+    case 4: weighted_columns<4>(p, values, stride, slots, count, c0, norm, out); break;
+    case 5: weighted_columns<5>(p, values, stride, slots, count, c0, norm, out); break;
+    case 6: weighted_columns<6>(p, values, stride, slots, count, c0, norm, out); break;
+    case 7: weighted_columns<7>(p, values, stride, slots, count, c0, norm, out); break;
     default: break;
   }
 }
 
-// One query row: scores into p[0, end), softmax in place, then the weighted sum of values into out.
+// One query row over its ``count`` visible keys: scores into p[0, count) in chunks of 8 visible keys, the
+// softmax in place (a running 8-lane total over the same chunks, then its lanes in order), then the weighted
+// sum of the visible values into out. Every step runs over the visible keys in their order in chunks fixed by
+// their rank, so the result depends on nothing but q and those keys and values.
+template <class Slots>
 void attend_row(const float* q, const float* keys, const float* values, int64_t key_stride, int64_t value_stride,
-                const bool* visible, int64_t end, int64_t d, float scale, float* p, float* out) {
+                Slots slots, int64_t count, int64_t d, float scale, float* p, float* out) {
   const float minus_inf = -std::numeric_limits<float>::infinity();
-  const __m256 scale8 = _mm256_set1_ps(scale);
-  int64_t j = 0;
-  for (; j + 8 <= end; j += 8)
-    _mm256_storeu_ps(p + j, _mm256_mul_ps(eight_dots(q, keys + j * key_stride, key_stride, d), scale8));
-  for (; j < end; ++j) p[j] = one_dot(q, keys + j * key_stride, d) * scale;
-  if (visible != nullptr)
-    for (j = 0; j < end; ++j) p[j] = visible[j] ? p[j] : minus_inf;
-  float highest = minus_inf;
-  for (j = 0; j < end; ++j) highest = std::max(highest, p[j]);
-  if (highest == minus_inf) {  // a row that sees nothing (never asked for): zeros rather than NaN
+  if (count == 0) {  // a row that sees nothing (never asked for): zeros rather than NaN
     std::fill(out, out + d, 0.0f);
     return;
   }
+  const __m256 scale8 = _mm256_set1_ps(scale);
+  for (int64_t j = 0; j < count; j += 8) {
+    const int64_t take = std::min<int64_t>(8, count - j);
+    alignas(32) float chunk[8];
+    _mm256_store_ps(chunk, _mm256_mul_ps(eight_dots(q, keys, key_stride, slots, j, take, d), scale8));
+    std::copy(chunk, chunk + take, p + j);
+  }
+  float highest = minus_inf;
+  for (int64_t j = 0; j < count; ++j) highest = std::max(highest, p[j]);
   const __m256 shift = _mm256_set1_ps(highest);
   __m256 total8 = _mm256_setzero_ps();
-  for (j = 0; j + 8 <= end; j += 8) {
-    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + j), shift));
-    _mm256_storeu_ps(p + j, e);
+  for (int64_t j = 0; j < count; j += 8) {  // a last partial chunk's missing lanes are exp(-inf) = 0
+    const int64_t take = std::min<int64_t>(8, count - j);
+    alignas(32) float chunk[8];
+    std::fill(chunk, chunk + 8, minus_inf);
+    std::copy(p + j, p + j + take, chunk);
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_load_ps(chunk), shift));
+    _mm256_store_ps(chunk, e);
+    std::copy(chunk, chunk + take, p + j);
     total8 = _mm256_add_ps(total8, e);
   }
   alignas(32) float lanes[8];
   _mm256_store_ps(lanes, total8);
   float total = 0.0f;
   for (float lane : lanes) total += lane;
-  for (; j < end; ++j) {  // the tail through the same vector exp, so every slot rounds alike
-    alignas(32) float one[8] = {p[j] - highest};
-    _mm256_store_ps(one, exp8(_mm256_load_ps(one)));
-    p[j] = one[0];
-    total += one[0];
-  }
-  weighted_sum(p, values, value_stride, end, d, 1.0f / total, out);
+  weighted_sum(p, values, value_stride, slots, count, d, 1.0f / total, out);
 }
 
 at::Tensor cached_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
@@ -175,12 +196,24 @@ at::Tensor cached_attention(const at::Tensor& q, const at::Tensor& keys, const a
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, end * d));
   at::parallel_for(0, heads * n, grain, [&](int64_t t0, int64_t t1) {
     std::vector<float> p(static_cast<size_t>(end));
+    std::vector<int32_t> listed(static_cast<size_t>(end));
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t h = t / n, i = t % n, kv = h / group;
-      attend_row(q_data + h * q.stride(1) + i * q.stride(2), k_data + kv * keys.stride(1),
-                 v_data + kv * values.stride(1), keys.stride(2), values.stride(2),
-                 mask_data == nullptr ? nullptr : mask_data + i * mask_stride, end, d, scale_f, p.data(),
-                 out_data + (h * n + i) * d);
+      const float* q_row = q_data + h * q.stride(1) + i * q.stride(2);
+      const float* k_head = k_data + kv * keys.stride(1);
+      const float* v_head = v_data + kv * values.stride(1);
+      float* out_row = out_data + (h * n + i) * d;
+      if (mask_data == nullptr) {
+        attend_row(q_row, k_head, v_head, keys.stride(2), values.stride(2), AllSlots{}, end, d, scale_f, p.data(),
+                   out_row);
+        continue;
+      }
+      const bool* visible = mask_data + i * mask_stride;
+      int64_t count = 0;
+      for (int64_t j = 0; j < end; ++j)
+        if (visible[j]) listed[count++] = static_cast<int32_t>(j);
+      attend_row(q_row, k_head, v_head, keys.stride(2), values.stride(2), ListedSlots{listed.data()}, count, d,
+                 scale_f, p.data(), out_row);
     }
   });
   return out;

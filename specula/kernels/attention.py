@@ -26,7 +26,7 @@ from specula.kernels import avx2_build_problem, build
 from specula.kernels import build_directory as kernel_directory
 
 SOURCE = Path(__file__).with_name("attention.cpp")
-FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"]
 DISABLE_VARIABLE = "SPECULA_ATTENTION_KERNEL"  # "0": attend through SDPA (to compare)
 
 

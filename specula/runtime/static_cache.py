@@ -169,6 +169,32 @@ def block_attention_mask(prefix: int, positions: torch.Tensor, block_mask: torch
     return mask[None, None]
 
 
+# torch's CPU elementwise loops run vectors of 2 x 8 (AVX2) or 2 x 16 (AVX-512) float32 lanes and finish a call's
+# last few elements with the scalar function, whose exp rounds differently (SiLU: 82 of 2,000 random inputs
+# differed by an ulp here); a call of more than GRAIN_SIZE elements is cut between threads.
+VECTOR_STEP = 64  # elements: a multiple of every vector loop's step
+ELEMENTWISE_GRAIN = 32768  # at::internal::GRAIN_SIZE: a call over no more elements runs whole on one thread
+
+
+def rowwise(function, x: torch.Tensor) -> torch.Tensor:
+    """``function`` (elementwise, e.g. an activation) of x [..., n, L] computed so that each row's bits do not depend
+    on n: rows padded to a multiple of `VECTOR_STEP` (every element then takes the vector path, never the scalar
+    tail) and at most `ELEMENTWISE_GRAIN` elements per call (no thread boundary inside a row). SmolLM2's 1,536-wide
+    rows need neither below 22 rows; stories260k's 172-wide ones are padded to 192."""
+    if x.device.type != "cpu":
+        return function(x)
+    rows, width = x.shape[-2], x.shape[-1]
+    padded = -(-width // VECTOR_STEP) * VECTOR_STEP
+    if padded != width:
+        x = F.pad(x, (0, padded - width))
+    per_call = max(1, ELEMENTWISE_GRAIN // padded)
+    if rows <= per_call:
+        out = function(x)
+    else:
+        out = torch.cat([function(x[..., i:i + per_call, :]) for i in range(0, rows, per_call)], dim=-2)
+    return out if padded == width else out[..., :width]
+
+
 def rotary_function(layer: torch.nn.Module):
     """The `apply_rotary_pos_emb` of the modelling file that defines ``layer``'s attention."""
     return sys.modules[type(layer.self_attn).__module__].apply_rotary_pos_emb
@@ -204,9 +230,11 @@ class FusedProjections:
 
 
 # Blocks of up to this many rows attend through the cached-attention kernel where it runs (CPU, float32, head
-# size a multiple of 8); longer ones through SDPA, whose blocked matmuls win once many rows share the keys.
-# A bucket size of `specula.runtime.compiled_step`, so that a padded compiled block and its eager twin choose alike.
-KERNEL_ROWS = 4
+# size a multiple of 8); longer ones (prompts, which every method computes alike) through SDPA, whose blocked
+# matmuls win once hundreds of rows share the keys. The kernel gives each row the bits of a one-token step over
+# the same tokens (`specula.kernels.attention`: row invariance), so every verify block must go through it: the
+# largest bucket of `specula.runtime.compiled_step`, and more than any draft tree verifies.
+KERNEL_ROWS = 64
 
 
 def _attention_kernel(q: torch.Tensor, keys: torch.Tensor):
@@ -273,7 +301,11 @@ def decoder_layer_step(layer: torch.nn.Module, x: torch.Tensor, cos: torch.Tenso
         out = attend(q, keys, values, mask, slots.end, attn.scaling)
     x = x + attn.o_proj(out.transpose(1, 2).reshape(1, n, -1))
     h = layer.post_attention_layernorm(x)
+    mlp = layer.mlp
     if fused is not None and fused.gate_up is not None:
         gate, up = fused.gate_up(h).chunk(2, dim=-1)  # the MLP of transformers' Llama, Mistral and Qwen
-        return x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
-    return x + layer.mlp(h)
+    elif all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+        gate, up = mlp.gate_proj(h), mlp.up_proj(h)
+    else:
+        return x + mlp(h)
+    return x + mlp.down_proj(rowwise(mlp.act_fn, gate) * up)
