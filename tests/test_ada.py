@@ -24,10 +24,10 @@ from test_lossless_sampling import (
 import specula
 from specula.cli import main
 from specula.drafters.ada import AdaDrafter
-from specula.drafters.chain import chain_acceptance, chain_labels
 from specula.errors import SpeculaError
 from specula.heads.eagle_head import EagleHead
 from specula.heads.ldlp import LengthPredictor, head_fingerprint
+from specula.training.chain import chain_acceptance, chain_labels
 from specula.training.ldlp_trainer import LdlpTrainOptions, replay, train_ldlp
 from specula.training.loop import TrainConfig
 

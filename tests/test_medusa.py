@@ -22,11 +22,9 @@ from specula.decoding import generate_tokens
 from specula.drafters.medusa import (
     CHOICES_FILE,
     MedusaDrafter,
-    build_choices,
     build_medusa_drafter,
     check_choices,
     default_choices,
-    expected_accepted,
 )
 from specula.errors import SpeculaError
 from specula.heads.medusa_head import MedusaHeads
@@ -34,6 +32,7 @@ from specula.runtime.target import Target
 from specula.sampling import SamplingParams
 from specula.training.loop import TrainConfig
 from specula.training.medusa_trainer import MedusaTrainOptions, train_medusa
+from specula.training.medusa_tree import build_choices, expected_accepted
 from specula.tree import DraftTree
 
 # Tiny tensors: intra-op threads only add overhead and contention on a shared machine.

@@ -37,27 +37,10 @@ from specula.runtime.weights import quantize_every_linear
 from specula.sampling import SamplingParams, probabilities
 from specula.tree import DraftTree
 
-# EAGLE-1's static tree per device type. On a GPU a 10-node tree (measured best on pycoder-25m, whose looping
-# text its head predicted well; the papers' GPU trees are wider). On a CPU one draft node, measured on the
-# reference target with the bundled EAGLE head (15 prompts it never trained on x 96 greedy tokens, every tree
-# interleaved per prompt, speedup over vanilla in the same run):
-#   q4_1     [[0]] 1.05x, [[0],[1]] 1.06x, [[0],[0,0]] 1.01x, the 10-node tree 0.60x
-#   float32  [[0]] 1.24x, [[0],[1]] 1.08x, [[0],[0,0]] 0.96x, the 10-node tree 0.64x
+# EAGLE-1's static tree per device type and the EAGLE-2/3 budgets (total_tokens / depth / top_k): the papers'
+# GPU settings; on a CPU one draft node, the best measured on the reference target (docs/defaults.md).
 GPU_CHOICES = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0], [0, 0, 0, 0, 0]]
 STATIC_TREES = {"cuda": GPU_CHOICES, "cpu": [[0]]}
-# Tree budgets (total_tokens / depth / top_k): the papers' GPU settings, and on a CPU the best measured on the
-# reference target, SmolLM2-135M-Instruct with the heads it ships (2-core AMD EPYC, AVX2; 6 held-out Magpie
-# prompts x 96 greedy tokens, every budget interleaved per prompt, speedup over vanilla in the same run):
-#   q4_1     eagle3 1/1/1 1.07x, 2/2/1 1.00x, 3/3/1 0.89x, 4/2/2 0.84x, 6/3/2 0.72x, 10/5/2 0.62x
-#            eagle2 1/1/1 1.00x, 2/2/1 0.95x, 3/3/1 0.87x, 4/2/2 0.88x, 6/3/2 0.76x, 10/5/2 0.58x
-#   float32  eagle3 1/1/1 1.27x, 2/2/1 1.13x, 3/3/1 1.20x, 4/2/2 1.28x, 6/3/2 1.05x, 10/5/2 0.80x (4 prompts)
-#            eagle2 1/1/1 1.27x, 2/2/1 1.02x, 3/3/1 0.96x, 4/2/2 1.05x, 6/3/2 0.84x, 10/5/2 0.66x
-# With these heads' first-draft acceptance (~0.36) every level past the first costs a head step and a wider
-# verify pass for too little; a head that accepts more moves the best deeper (pycoder-25m, whose looping text
-# its heads predicted far better, measured 10/5/2 best). Re-measured after the q4_1 kernel's rewrite (a 16-token
-# pass 2.0x a step, was 2.8x; 32 held-out prompts): eagle3 1/1/1 1.15x, 2/2/1 1.14x, 3/3/1 1.09x, 4/2/2 1.16x,
-# 6/3/2 1.01x — deeper trees now tie, they do not win, so the default stays. `specula calibrate` records a
-# machine's own choice.
 CUDA_DYNAMIC = {"total_tokens": 60, "depth": 6, "top_k": 10}
 CPU_DYNAMIC = {"total_tokens": 1, "depth": 1, "top_k": 1}
 EAGLE2_BUDGETS = {"cuda": CUDA_DYNAMIC, "cpu": CPU_DYNAMIC}

@@ -26,7 +26,6 @@ as the explicitly lossy `specula.acceptance_typical.TypicalAcceptor`.
 from __future__ import annotations
 
 import copy
-import heapq
 import json
 from pathlib import Path
 
@@ -40,17 +39,10 @@ from specula.sampling import SamplingParams
 from specula.tree import DraftTree
 
 CHOICES_FILE = "medusa_choices.json"
-# A 15-candidate tree for CPUs, where every verified node costs a visible share of a target forward:
-# `build_choices` on the held-out rank accuracies of 4 heads trained briefly on pycoder-25m (top-1
-# 0.78 / 0.71 / 0.68 / 0.65 for heads 1-4). On the project's 2-core CPU, greedy pycoder-25m, 6 prompts
-# x 96 tokens: 4-15 candidates ran at the same speed (1.6-1.7x vanilla, tau 3.0-3.4), 24 and 40 slower.
+# A 15-candidate tree, from held-out rank accuracies of pycoder-25m's heads (docs/defaults.md).
 DEFAULT_CHOICES = [[0], [1], [2], [0, 0], [0, 1], [0, 2], [1, 0], [0, 0, 0], [0, 0, 1], [0, 1, 0], [1, 0, 0],
                    [0, 0, 0, 0], [0, 0, 0, 1], [0, 0, 1, 0], [0, 1, 0, 0]]
-# The tree of heads that ship none (no medusa_choices.json), per device type. On the reference target,
-# SmolLM2-135M-Instruct, with its bundled heads (15 held-out prompts x 96 greedy tokens, interleaved, 2-core
-# AVX2 CPU) the 15-node tree ran at 0.57x vanilla in q4_1 and 0.86x in float32, one node at 1.03x and 1.16x:
-# a real chat model's heads accept too little for deep trees to pay on a CPU, as with EAGLE
-# (`specula.drafters.eagle.STATIC_TREES`).
+# The tree of heads that ship none (no medusa_choices.json), per device type (docs/defaults.md).
 DEFAULT_TREES = {"cuda": DEFAULT_CHOICES, "cpu": [[0]]}
 
 
@@ -82,47 +74,6 @@ def check_choices(choices, num_heads: int | None = None, vocab_size: int | None 
     if vocab_size is not None and max(max(p) for p in paths) >= vocab_size:
         raise SpeculaError(f"a Medusa tree rank is beyond the vocabulary of {vocab_size} tokens")
     return [list(p) for p in sorted(paths, key=lambda p: (len(p), p))]
-
-
-def build_choices(accuracy: torch.Tensor, nodes: int) -> list[list[int]]:
-    """The ``nodes`` most probable rank paths, grown greedily from the root (the Medusa paper's sparse tree).
-
-    accuracy [K, R]: accuracy[k, r] is the measured probability that head k + 1's rank-r token is the
-    right one. A path's probability is the product of its ranks' accuracies (heads taken as
-    independent), which never exceeds its parent's, so always adding the most probable child of a
-    node already in the tree yields the ``nodes`` most probable paths, a connected tree maximising
-    the expected number of accepted drafts under that model. Ties go to shallower, lower-rank paths.
-    """
-    if accuracy.ndim != 2 or accuracy.numel() == 0:
-        raise SpeculaError("head accuracies must be a [heads, ranks] table")
-    if nodes < 1:
-        raise SpeculaError(f"a Medusa tree needs at least one node, got {nodes}")
-    acc = accuracy.double().clamp(0.0, 1.0).tolist()
-    heads, ranks = len(acc), len(acc[0])
-    chosen: list[tuple[int, ...]] = []
-    frontier = [(-acc[0][r], 1, (r,)) for r in range(ranks)]
-    heapq.heapify(frontier)
-    while frontier and len(chosen) < nodes:
-        negative, depth, path = heapq.heappop(frontier)
-        chosen.append(path)
-        if depth < heads:
-            for r in range(ranks):
-                heapq.heappush(frontier, (negative * acc[depth][r], depth + 1, path + (r,)))
-    return check_choices([list(p) for p in chosen])
-
-
-def expected_accepted(choices: list[list[int]], accuracy: torch.Tensor) -> float:
-    """Expected accepted drafts per cycle of a tree under the independence model of `build_choices`."""
-    acc = accuracy.double().tolist()
-    total = 0.0
-    for path in choices:
-        if len(path) > len(acc) or max(path) >= len(acc[0]):
-            continue  # ranks beyond the measured table count as never right
-        prob = 1.0
-        for depth, rank in enumerate(path):
-            prob *= acc[depth][rank]
-        total += prob
-    return total
 
 
 def read_choices_file(path: str | Path) -> list[list[int]]:

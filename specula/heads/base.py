@@ -1,6 +1,6 @@
 """The draft-head interface: what a feature-level draft head (EAGLE, EAGLE-3) offers the code that drives it.
 
-`EagleDrafter` (decoding), the batched greedy chains of `specula.drafters.chain`
+`EagleDrafter` (decoding), the batched greedy chains of `specula.training.chain`
 (trainers' acceptance and the LDLP's labels) and `specula train` use a head only
 through these members, so a new head kind is one class implementing them.
 Names follow SpecForge's split of a draft model into reading the target

@@ -21,12 +21,12 @@ from pathlib import Path
 
 import torch
 
-from specula.drafters.chain import chain_acceptance
 from specula.drafters.eagle import check_head_fits
 from specula.errors import SpeculaError
 from specula.heads.eagle3_head import Eagle3Head, default_feature_layers, fused_feature_request
 from specula.heads.formats import load_head
 from specula.runtime.target import FeatureRequest, Target
+from specula.training.chain import chain_acceptance
 from specula.training.eagle_trainer import eagle2_tau
 from specula.training.loop import TrainConfig, run_training
 

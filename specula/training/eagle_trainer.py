@@ -18,11 +18,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specula.drafters.chain import chain_acceptance
 from specula.drafters.eagle import EagleDrafter, check_head_fits
 from specula.errors import SpeculaError
 from specula.heads.eagle_head import EagleHead
 from specula.runtime.target import Target
+from specula.training.chain import chain_acceptance
 from specula.training.evaluation import mean_tau
 from specula.training.loop import TrainConfig, run_training, uniform_noise
 

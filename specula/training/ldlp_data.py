@@ -7,7 +7,7 @@ root) and the EAGLE head has read the true pairs (f_i, t_{i+1}) for i <= s. The 
 then drafts a chain greedily; its label is the number of drafts equal to t_{s+2},
 t_{s+3}, ... before the first miss, at most ``max_length`` — exactly what greedy
 decoding with a chain that long would accept there. The chains are drafted by
-`specula.drafters.chain.chain_labels`, all positions of a sample at once (the
+`specula.training.chain.chain_labels`, all positions of a sample at once (the
 trainers' n-α evaluation reads the same chains).
 
 A chain still unbroken when the sample's response ends is *censored*: its label is a
@@ -28,12 +28,12 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from specula.drafters.chain import chain_labels
 from specula.errors import SpeculaError
 from specula.files.outputs import atomic_write
 from specula.files.readers import load_torch
 from specula.heads.base import DraftHead
 from specula.runtime.target import Target
+from specula.training.chain import chain_labels
 from specula.training.fingerprints import target_fingerprint
 
 

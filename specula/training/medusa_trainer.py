@@ -36,13 +36,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specula.drafters.medusa import CHOICES_FILE, DEFAULT_CHOICES, build_choices, check_heads_fit, expected_accepted
+from specula.drafters.medusa import CHOICES_FILE, DEFAULT_CHOICES, MedusaDrafter, check_heads_fit
 from specula.errors import SpeculaError
 from specula.files.outputs import atomic_write_json
 from specula.heads.medusa_head import MedusaHeads
 from specula.runtime.target import Target
 from specula.training.evaluation import mean_tau
 from specula.training.loop import TrainConfig, run_training
+from specula.training.medusa_tree import build_choices, expected_accepted
 
 DECAY = 0.8
 TREE_NODES = 15  # candidates of the built tree (the root not counted), the size of DEFAULT_CHOICES
@@ -112,8 +113,6 @@ def rank_accuracy(heads: MedusaHeads, samples, top_k: int = TREE_TOP_K) -> torch
 
 def medusa_tau(heads: MedusaHeads, target: Target, samples, choices=None, max_new_tokens: int = 48) -> float:
     """Mean tokens per cycle of greedy `medusa` decoding from the prompts of held-out samples."""
-    from specula.drafters.medusa import MedusaDrafter
-
     return mean_tau(target, MedusaDrafter(target, copy.deepcopy(heads).eval(), choices), samples, max_new_tokens)
 
 
