@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import numbers
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -58,23 +59,31 @@ class Speculator:
         return self.target.tokenizer
 
     def encode(self, prompt: str | list[int] | torch.Tensor | None = None, *, messages: list[dict] | None = None,
-               system: str | None = None, raw: bool = False) -> torch.Tensor:
+               system: str | None = None, raw: bool = False, tokenizer=None) -> torch.Tensor:
         """Prompt as int64 [P].
 
         With a chat template, text is the user's message (after ``system``, if given) wrapped as
         ``apply_chat_template(..., add_generation_prompt=True)`` does, and ``messages`` is a whole
         conversation; ``raw=True`` (or a tokenizer without a template) tokenizes text the way
-        `transformers` would (special tokens added). Token ids are used as they are.
+        `transformers` would (special tokens added). Token ids are used as they are. ``tokenizer``: a copy of
+        this Speculator's to use instead (the server gives each thread its own).
         """
+        tokenizer = tokenizer or self.tokenizer
+        if system is not None and not isinstance(system, str):
+            raise SpeculaError(f"system must be text (str), got {type(system).__name__}")
+        if prompt is not None and not isinstance(prompt, str):
+            prompt = _token_ids(prompt)
         for text in [prompt, system, *(m.get("content") for m in messages or [] if isinstance(m, dict))]:
             _check_text(text)
-        ids = chat_ids(self.tokenizer, prompt, messages, system, raw)
+        ids = chat_ids(tokenizer, prompt, messages, system, raw)
         if ids is None and isinstance(prompt, str):
             if not prompt.strip():
                 raise SpeculaError("the prompt is empty")
-            ids = self.tokenizer(prompt, verbose=False).input_ids
+            ids = tokenizer(prompt, verbose=False).input_ids
         elif ids is None:
-            ids = prompt.tolist() if isinstance(prompt, torch.Tensor) else list(prompt)
+            if prompt is None:
+                raise SpeculaError("give a prompt (text or token ids) or messages")
+            ids = prompt
         if not ids:
             raise SpeculaError("the prompt is empty")
         if any(not (0 <= int(i) < self.target.vocab_size) for i in ids):
@@ -114,6 +123,27 @@ class Speculator:
                                  messages=messages, system=system, raw=raw):
             ids.extend(chunk.token_ids)
         return Generation(self.tokenizer.decode(ids, skip_special_tokens=True), ids, stats)
+
+
+PROMPT_TYPES = "text (str), a list of token ids (int) or a 1-D integer tensor"
+
+
+def _token_ids(prompt: object) -> list[int]:
+    """A prompt that is not text as a list of ids, or a SpeculaError: never a silent reading of other types.
+
+    bytes would iterate as one id per byte and floats would be truncated, so both are refused, as is a
+    tensor of another rank or dtype [P] (bool included).
+    """
+    if isinstance(prompt, torch.Tensor):
+        if prompt.dim() != 1 or prompt.dtype == torch.bool or prompt.is_floating_point() or prompt.is_complex():
+            raise SpeculaError(f"a prompt is {PROMPT_TYPES}; got a {prompt.dim()}-D {prompt.dtype} tensor")
+        return prompt.tolist()
+    if not isinstance(prompt, (list, tuple)):
+        raise SpeculaError(f"a prompt is {PROMPT_TYPES}; got {type(prompt).__name__}")
+    for i in prompt:
+        if isinstance(i, bool) or not isinstance(i, numbers.Integral):
+            raise SpeculaError(f"a prompt is {PROMPT_TYPES}; the list holds {i!r} ({type(i).__name__})")
+    return [int(i) for i in prompt]
 
 
 def _check_text(text: object) -> None:

@@ -38,7 +38,11 @@ def run_chat(speculator: Speculator, input_stream: TextIO | None = None, output_
         out.write(_dim(f"chatting with {speculator.target.name} ({speculator.method}); "
                        f"{CLEAR_COMMAND} forgets the conversation, {EXIT_COMMANDS[0]} or Ctrl-D ends it", dim) + "\n")
     while True:
-        line = _read_line(reader, out, interactive)
+        try:
+            line = _read_line(reader, out, interactive)
+        except UnicodeDecodeError as error:  # a strictly decoded stream (`specula chat` reads with surrogateescape)
+            print(f"specula: error: the message is not valid UTF-8 text ({error.reason})", file=err)
+            continue
         if line is None or line.strip() in EXIT_COMMANDS:
             return 0
         message = line.strip()
@@ -48,9 +52,11 @@ def run_chat(speculator: Speculator, input_stream: TextIO | None = None, output_
             history = list(start)
             continue
         history.append({"role": "user", "content": message})
-        _fit_context(speculator, history, max_new_tokens)
         stats, ids = GenerationStats(), []
         try:
+            # Encoding is part of the turn: a message the template or tokenizer refuses (not UTF-8, too long for
+            # the context) is one error line, and the conversation goes on without it.
+            _fit_context(speculator, history, max_new_tokens)
             for chunk in speculator.stream(messages=history, max_new_tokens=max_new_tokens, temperature=temperature,
                                            top_p=top_p, top_k=top_k, seed=seed, stats=stats):
                 ids.extend(chunk.token_ids)

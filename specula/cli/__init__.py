@@ -18,7 +18,14 @@ from transformers import logging as hf_logging
 from specula.cli.bench import add_bench_parser, add_calibrate_parser, add_speedcheck_parser
 from specula.cli.chat import add_chat
 from specula.cli.check import add_check_parser
-from specula.cli.common import EXIT_BROKEN_PIPE, EXIT_FAILURE, EXIT_INTERRUPTED, PROG, ArgumentParser, report_error
+from specula.cli.common import (
+    EXIT_BROKEN_PIPE,
+    EXIT_INTERRUPTED,
+    PROG,
+    ArgumentParser,
+    report_error,
+    report_os_error,
+)
 from specula.cli.convert import add_convert_parser
 from specula.cli.generate import add_generate
 from specula.cli.prompts import add_prompts_parser
@@ -68,9 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         # The reader went away (`specula generate ... | head`): stop quietly, as other command-line tools do.
         _discard_stdout()
         return EXIT_BROKEN_PIPE
-    except OSError as err:  # a failed write of our own output, e.g. a full disk
-        report_error(f"cannot write output: {err.strerror or err}")
-        return EXIT_FAILURE
+    except OSError as err:  # a path that cannot be used, or a failed write of our own output (a full disk)
+        return report_os_error(err)
     except SystemExit as done:  # --help: argparse has printed and wants to exit
         return done.code if isinstance(done.code, int) else 0
 

@@ -30,12 +30,13 @@ from specula.cli.common import (
     unit_fraction,
 )
 from specula.errors import SpeculaError
+from specula.files.outputs import check_output_file
 from specula.methods import DEFAULT_TARGET, METHODS, resolve_draft
 from specula.runtime.model_source import model_name
 from specula.runtime.profile import all_defaults, load_profile, profile_path, save_profile
 from specula.runtime.target import check_model_dir
 from specula.runtime.weights import resolve_weights
-from specula.sampling import SamplingParams
+from specula.sampling import SamplingParams, check_seed
 
 # MT-bench: the chat evaluation set of the papers, for the bundled chat model (pycode/eval.jsonl served the old
 # code fixture).
@@ -58,6 +59,23 @@ def _floats(value, name: str) -> list[float]:
         raise SpeculaError(f"{name} must be numbers, got {value!r}") from err
 
 
+def _float(value, name: str) -> float:
+    """A number from the command line or a config file (where a string such as "x" is no number)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise SpeculaError(f"{name} must be a number, got {value!r}")
+    try:
+        return float(value)
+    except ValueError as err:
+        raise SpeculaError(f"{name} must be a number, got {value!r}") from err
+
+
+def _text(value, name: str) -> str | None:
+    """A name or path from a config file: a string (a number or a table there is a mistake, not a name)."""
+    if value is not None and not isinstance(value, (str, Path)):
+        raise SpeculaError(f"{name} must be a string, got {value!r}")
+    return None if value is None else str(value)
+
+
 def _flag(value, name: str) -> bool:
     if not isinstance(value, bool):
         raise SpeculaError(f"{name} must be true or false, got {value!r}")
@@ -76,6 +94,14 @@ def _int(value, name: str, minimum: int | None = 1) -> int | None:
     if minimum is not None and number < minimum:
         raise SpeculaError(f"{name} must be >= {minimum}, got {number}")
     return number
+
+
+def _device(value) -> str:
+    """A config file's device, checked as --device is (`device_name`)."""
+    try:
+        return device_name(_text(value, "device"))
+    except argparse.ArgumentTypeError as err:
+        raise SpeculaError(f"device: {err}") from None
 
 
 # ---------------------------------------------------------------- bench
@@ -136,17 +162,22 @@ def bench_settings(args: argparse.Namespace):
         value = getattr(args, name, None)
         return value if value is not None else bench.get(name, default)
 
-    target = str(pick("target", DEFAULT_TARGET))
+    target = _text(pick("target", DEFAULT_TARGET), "target")
     check_model_dir(target, "target")
-    out = pick("out")
+    out = _text(pick("out"), "out")
     if out is None:
         raise SpeculaError("bench needs --out DIR (or out in the config's [bench] table)")
     temperatures = _floats(pick("temperature", [0.0]), "temperature")
-    top_p = float(pick("top_p", 1.0))
+    top_p = _float(pick("top_p", 1.0), "top_p")
     top_k = _int(pick("top_k", 0), "top_k", minimum=0)
     for t in temperatures:
         SamplingParams(t, top_k, top_p)  # validates
-    weights = str(pick("weights", "auto"))
+    seed = _int(pick("seed", 0), "seed", minimum=0)
+    check_seed(seed)
+    dtype = _text(pick("dtype", "auto"), "dtype")
+    if dtype not in DTYPE_CHOICES:
+        raise SpeculaError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}")
+    weights = _text(pick("weights", "auto"), "weights")
     resolve_weights(weights)  # a config file's value is not checked by argparse
     if not temperatures or len(set(temperatures)) != len(temperatures):
         raise SpeculaError("give each temperature once (e.g. --temperature 0,1)")
@@ -158,14 +189,15 @@ def bench_settings(args: argparse.Namespace):
     profile = None
     if not args.no_profile:
         profile = load_profile(model_name(target), args.profile)
-    device = str(pick("device", "cpu"))
+    device = _device(pick("device", "cpu"))
     weights = resolve_weights(weights, profile, device)  # auto as the profile chose: spelled out in the report
     labels = _split(pick("methods"))
     specs = method_specs(labels, config["methods"], args.option, all_defaults(profile, device))
     llama_server = None
     if any(spec.is_llamacpp for spec in specs):
         try:
-            llama_server = str(find_llama_server(pick("llama_server")))  # before any model loads: fail fast
+            # before any model loads: fail fast
+            llama_server = str(find_llama_server(_text(pick("llama_server"), "llama_server")))
         except LlamaServerNotInstalled as err:
             # llama.cpp is an optional reference (built from source, outside the install): when nobody named
             # a binary and none is on PATH, its rows are skipped with one line; a named one must exist.
@@ -190,8 +222,8 @@ def bench_settings(args: argparse.Namespace):
         spec.draft = None if draft is None else str(draft)
     settings = BenchSettings(
         target=target, methods=specs, data=data, questions=questions, out=Path(out), temperatures=temperatures,
-        max_new_tokens=_int(pick("max_new_tokens", 128), "max_new_tokens"), seed=int(pick("seed", 0)),
-        dtype=str(pick("dtype", "auto")), weights=weights, compile=_flag(pick("compile", False), "compile"),
+        max_new_tokens=_int(pick("max_new_tokens", 128), "max_new_tokens"), seed=seed,
+        dtype=dtype, weights=weights, compile=_flag(pick("compile", False), "compile"),
         device=device, threads=_int(pick("threads"), "threads"),
         top_p=top_p, top_k=top_k, max_prompt_tokens=_int(pick("max_prompt_tokens"), "max_prompt_tokens"),
         warmup_tokens=_int(pick("warmup_tokens", 16), "warmup_tokens"), categories=categories, limit=limit,
@@ -300,7 +332,10 @@ def run_calibrate_command(args: argparse.Namespace) -> int:
         raise SpeculaError(f"cannot calibrate method '{args.method}'; choose one of "
                            f"{', '.join(m for m in METHODS if m != 'vanilla')}")
     SamplingParams(args.temperature)
+    check_seed(args.seed)
     check_model_dir(args.target, "target")
+    if args.out is not None and not args.no_save:  # checked before minutes of measuring, not after them
+        check_output_file(args.out, "--out", replace=True)
     options = {}
     for text in args.option:
         _, key, value = parse_option(f"{args.method}.{text}")

@@ -38,5 +38,15 @@ def run_chat_command(args: argparse.Namespace) -> int:
     speculator = build_speculator(args.target, method=args.method, draft=args.draft, dtype=args.dtype,
                                   device=args.device, profile=not args.no_profile, weights=args.weights,
                                   compile=args.compile, **method_options(args))
+    _tolerate_undecodable(sys.stdin)
     return run_chat(speculator, sys.stdin, sys.stdout, system=args.system, max_new_tokens=args.max_new_tokens,
                     temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+
+
+def _tolerate_undecodable(stream) -> None:
+    """Read bytes that are not UTF-8 as lone surrogates: that line is then refused as one failed turn, where a strict
+    decoder would raise mid-read and lose the lines buffered after it."""
+    try:
+        stream.reconfigure(errors="surrogateescape")
+    except (AttributeError, ValueError, OSError):  # not a TextIOWrapper (a test's stream, pytest's stdin)
+        pass

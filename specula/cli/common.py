@@ -4,6 +4,7 @@ method options, which are generated from the method registry's schemas so help a
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 from pathlib import Path
 from typing import NoReturn
@@ -36,6 +37,32 @@ def report_error(message: str) -> int:
     # Messages from deep inside a library can span lines; the contract is one line.
     print(f"{PROG}: error: {' '.join(message.split())}", file=sys.stderr)
     return EXIT_USAGE
+
+
+# Failures of the machine, not of what the user named: the input was fine, the work failed (exit 1).
+_WORK_FAILED = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EFBIG, errno.ENOMEM}
+_WHAT_WENT_WRONG = {
+    errno.EEXIST: "cannot create {path}: something else is there already",
+    errno.ENOTDIR: "cannot reach {path}: part of that path is a file, not a directory",
+    errno.EISDIR: "cannot open {path} as a file: it is a directory",
+    errno.ENOENT: "cannot open {path}: no such file or directory",
+    errno.EACCES: "cannot access {path}: permission denied",
+    errno.EPERM: "cannot access {path}: operation not permitted",
+    errno.EROFS: "cannot write {path}: read-only file system",
+    errno.ENOSPC: "cannot write {path}: no space left on device",
+}
+
+
+def report_os_error(err: OSError) -> int:
+    """One line naming the path and what could not be done with it; returns the exit status (1 if the machine
+    failed, e.g. a full disk; 2 if a path the user named cannot be used)."""
+    path = " and ".join(str(p) for p in (err.filename, err.filename2) if p is not None)
+    reason = err.strerror or str(err) or type(err).__name__
+    if not path:  # no file named: a write to stdout (e.g. redirected to a full disk)
+        report_error(f"cannot write output: {reason}")
+    else:
+        report_error(_WHAT_WENT_WRONG.get(err.errno, "cannot use {path}: {reason}").format(path=path, reason=reason))
+    return EXIT_FAILURE if err.errno in _WORK_FAILED else EXIT_USAGE
 
 
 def positive_int(text: str) -> int:

@@ -9,9 +9,10 @@ from pathlib import Path
 
 from specula.cli.common import DTYPE_CHOICES, TARGET_HELP, device_name, positive_int
 from specula.errors import SpeculaError
-from specula.files.outputs import atomic_write_text
+from specula.files.outputs import atomic_write_text, check_output_file
 from specula.methods import DEFAULT_TARGET
 from specula.runtime.target import Target
+from specula.sampling import check_seed
 from specula.training.synthesis import SynthesisOptions, synthesize_prompts
 
 
@@ -40,14 +41,12 @@ def add_prompts_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_prompts(args: argparse.Namespace) -> int:
+    check_seed(args.seed)
     options = SynthesisOptions(count=args.count, seed=args.seed, temperature=args.temperature,
                                max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                                min_chars=args.min_chars, max_chars=args.max_chars,
                                max_similarity=args.max_similarity)
-    if args.out.exists() and not args.force:
-        raise SpeculaError(f"--out {args.out} exists; add --force to replace it")
-    if args.out.parent and not args.out.parent.is_dir():
-        raise SpeculaError(f"--out {args.out}: directory {args.out.parent} does not exist")
+    check_output_file(args.out, "--out", replace=args.force)  # before minutes of sampling, not after
     target = Target.load(args.target, dtype=args.dtype, device=args.device)
     report = synthesize_prompts(target, options, log=lambda message: print(message, file=sys.stderr))
     if not report.prompts:

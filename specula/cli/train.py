@@ -18,7 +18,7 @@ from transformers import AutoConfig
 from specula.cli.common import DTYPE_CHOICES, device_name, number_list, positive_int
 from specula.drafters.medusa import CHOICES_FILE, check_heads_fit
 from specula.errors import SpeculaError
-from specula.files.outputs import prepare_output_dir
+from specula.files.outputs import check_cache_dir, check_output_file, prepare_output_dir
 from specula.heads.eagle_head import EagleHead
 from specula.heads.formats import load_head
 from specula.heads.ldlp import head_fingerprint
@@ -107,8 +107,11 @@ def training_inputs(args: argparse.Namespace, request):
                           train_samples=args.train_samples, max_prompt_context=args.max_prompt_context)
     kind = f"train {args.trainer}"
     prepare_output_dir(args.out, kind, args.resume, create=False)
+    if args.cache_dir is not None:
+        check_cache_dir(args.cache_dir, "--cache-dir")
     target = Target.load(args.target, dtype=args.dtype, device=args.device)
-    prepare_output_dir(args.out, kind, args.resume)
+    # --out is claimed by the trainer once its data proved usable (`run_training`), so a run refused here (too few
+    # samples, a damaged record) leaves no empty --out behind.
     train_set, eval_set = feature_sets(target, options, request, log=lambda message: print(message,
                                                                                            file=sys.stderr))
     return target, train_set, eval_set, config
@@ -117,7 +120,10 @@ def training_inputs(args: argparse.Namespace, request):
 def target_config_of(target: Path):
     """The target's transformers config, read without loading its weights: head checks run before minutes of
     loading and regeneration."""
-    return AutoConfig.from_pretrained(check_model_dir(target, "target"), local_files_only=True)
+    try:
+        return AutoConfig.from_pretrained(check_model_dir(target, "target"), local_files_only=True)
+    except (OSError, ValueError, KeyError) as err:  # what `Target.load` refuses the same way (e.g. no model_type)
+        raise SpeculaError(f"target config in {target} cannot be read: {str(err).splitlines()[0]}") from err
 
 
 def add_train_eagle(trainers: argparse._SubParsersAction) -> None:
@@ -260,6 +266,9 @@ def add_medusa_tree_parser(trainers: argparse._SubParsersAction) -> None:
 def run_medusa_tree(args: argparse.Namespace) -> int:
     if not args.data.is_file():
         raise SpeculaError(f"data file not found: {args.data}")
+    if args.cache_dir is not None:
+        check_cache_dir(args.cache_dir, "--cache-dir")
+    check_output_file(args.out or args.draft / CHOICES_FILE, "--out", replace=True)
     records = read_records(args.data)[: args.samples]
     target = Target.load(args.target, dtype=args.dtype, device=args.device)
     heads = MedusaHeads.from_pretrained(args.draft, dtype=target.dtype, device=target.device).attach(target)

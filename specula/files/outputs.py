@@ -147,13 +147,13 @@ def _check_owner(out: Path, kind: str, resume: bool) -> dict | None:
     return marker
 
 
-def _probe_writable(directory: Path, out: Path) -> None:
+def _probe_writable(directory: Path, out: Path, flag: str = "--out") -> None:
     try:
         handle, probe = tempfile.mkstemp(dir=directory, prefix=".specula-probe-")
         os.close(handle)
         os.unlink(probe)
     except OSError as err:
-        raise SpeculaError(f"--out {out} cannot be written: {directory}: {_reason(err)}") from err
+        raise SpeculaError(f"{flag} {out} cannot be written: {directory}: {_reason(err)}") from err
 
 
 def prepare_output_dir(path: str | Path, kind: str, resume: bool = False, create: bool = True) -> Path:
@@ -165,7 +165,7 @@ def prepare_output_dir(path: str | Path, kind: str, resume: bool = False, create
     other inputs have proved usable (nothing is left behind by a run that stops at bad input).
     """
     out = Path(path)
-    existing = next((p for p in (out, *out.parents) if p.exists()), None)
+    existing = _first_existing(out)
     if existing is not None and not existing.is_dir():
         if existing == out:
             raise SpeculaError(f"--out {out} is a file, not a directory")
@@ -181,6 +181,41 @@ def prepare_output_dir(path: str | Path, kind: str, resume: bool = False, create
     if marker is None:
         atomic_write_json(out / MARKER, {"kind": kind, "version": MARKER_VERSION})
     return out
+
+
+def _first_existing(path: Path) -> Path | None:
+    return next((p for p in (path, *path.parents) if p.exists()), None)
+
+
+def check_cache_dir(path: str | Path, flag: str) -> Path:
+    """Check, writing nothing, that ``path`` is a directory specula can keep files in (it may exist, with files).
+
+    A file, a path under a file, or a directory that cannot be written is one SpeculaError naming ``flag``,
+    raised before any work whose results would go there.
+    """
+    directory = Path(path)
+    existing = _first_existing(directory)
+    if existing is not None and not existing.is_dir():
+        where = "is a file" if existing == directory else f"lies under {existing}, which is a file"
+        raise SpeculaError(f"{flag} {directory} {where}, not a directory")
+    _probe_writable(existing if existing is not None else Path.cwd(), directory, flag)
+    return directory
+
+
+def check_output_file(path: str | Path, flag: str, replace: bool) -> Path:
+    """Check, writing nothing, that a file can be written at ``path`` (replacing one only if ``replace``)."""
+    file = Path(path)
+    if file.is_dir():
+        raise SpeculaError(f"{flag} {file} is a directory; name the file to write")
+    if file.exists() and not replace:
+        raise SpeculaError(f"{flag} {file} exists; add --force to replace it")
+    existing = _first_existing(file.parent)
+    if existing is not None and not existing.is_dir():
+        raise SpeculaError(f"{flag} {file} lies under {existing}, which is a file")
+    if existing != file.parent:
+        raise SpeculaError(f"{flag} {file}: directory {file.parent} does not exist")
+    _probe_writable(file.parent, file, flag)
+    return file
 
 
 def atomic_write_gguf(path: str | Path, writer) -> None:

@@ -16,6 +16,7 @@ Checkpoint: ``config.json`` (``model_type`` "specula-ldlp", sizes, ``max_draft_l
 from __future__ import annotations
 
 import hashlib
+import math
 from pathlib import Path
 
 import torch
@@ -63,7 +64,10 @@ class LengthPredictor(nn.Module):
     def draft_length(self, token_embed: torch.Tensor, hidden: torch.Tensor, cap: int | None = None) -> int:
         """The prediction for one token (embed [E], hidden [H]) rounded and clipped to [1, min(cap, max)]."""
         top = self.max_draft_length if cap is None else min(cap, self.max_draft_length)
-        return max(1, min(top, round(float(self(token_embed, hidden)))))
+        prediction = float(self(token_embed, hidden))
+        if not math.isfinite(prediction):  # float32 overflow in the MLP: clipped as a finite value would be (NaN: 1)
+            return top if prediction == math.inf else 1
+        return max(1, min(top, round(prediction)))
 
     # ---------------------------------------------------------------- checkpoints
 
@@ -81,6 +85,11 @@ class LengthPredictor(nn.Module):
                                f"expected {MODEL_TYPE!r})")
         predictor = build_module(cls, config, f"LDLP in {directory}")
         state = load_state_dict(directory)
+        broken = sorted(name for name, tensor in state.items()
+                        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()))
+        if broken:  # such a predictor answers NaN, which no draft length can be made of
+            raise SpeculaError(f"LDLP in {directory} has non-finite (NaN or infinite) weights in "
+                               f"{', '.join(broken[:3])}; train it again with `specula train ldlp`")
         load_checked(predictor, state, f"LDLP in {directory}")
         return predictor.to(device=device, dtype=dtype or state["layers.0.weight"].dtype).eval()
 

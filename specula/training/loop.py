@@ -268,6 +268,9 @@ def run_training(head: nn.Module, dataset, loss_fn: Callable, config: TrainConfi
                              "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
                     checkpointer.save(accelerator.unwrap_model(model), state, save_head)
                 saved = step
+    except TrainingDiverged:
+        progress.close()  # ends the bar's line: the error that follows is a line of its own
+        raise
     except KeyboardInterrupt:
         progress.close()
         if accelerator.is_main_process:

@@ -122,7 +122,7 @@ def synthesize_prompts(target: Target, options: SynthesisOptions = SynthesisOpti
         if len(kept) >= options.count:
             break
         replies = generate_batch(target, [prefix] * size, options.max_new_tokens, options.temperature,
-                                 seed=options.seed * 1_000_003 + batch)
+                                 seed=(options.seed * 1_000_003 + batch) % 2**64)
         generated += size
         for reply in replies:
             if not reply or reply[-1] not in end_of_turn:
