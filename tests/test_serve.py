@@ -303,6 +303,10 @@ def with_(body: dict, **changes) -> bytes:
     ("/v1/completions", with_(COMPLETION, stop=[""]), 400, "stop", None),
     ("/v1/completions", with_(COMPLETION, stop=[f"s{i}" for i in range(17)]), 400, "stop", None),
     ("/v1/chat/completions", with_(CHAT, messages=[]), 400, "messages", None),
+    ("/v1/chat/completions", with_(CHAT, messages=[{"role": "bogus", "content": "Hi"}]), 400, "messages[0].role",
+     None),
+    ("/v1/completions", with_(COMPLETION, prompt="Once upon a time " * 8_000), 400, "prompt",
+     "context_length_exceeded"),
     ("/v1/no/such/endpoint", b"{}", 404, None, None),
 ])
 def test_refusals_are_openai_errors_with_their_status(server, path, body, status, param, code):
@@ -532,3 +536,78 @@ def test_serve_command_refuses_bad_options_before_loading(monkeypatch, capsys):
     assert main(["serve", "--compile"]) == 2  # a compiled step decodes one sequence at a time
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 5 and all(line.startswith("specula: error:") for line in lines)
+
+
+# ---------------------------------------------------------------- one request cannot stall the others
+
+
+class GatedTokenizer:
+    """A tokenizer that blocks on a prompt containing "GATE" until released (copies share the gate)."""
+
+    def __init__(self, inner, entered: threading.Event, release: threading.Event):
+        self.inner, self.entered, self.release = inner, entered, release
+
+    def __call__(self, text, **kwargs):
+        if "GATE" in text:
+            self.entered.set()
+            assert self.release.wait(WAIT_S)
+        return self.inner(text, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __deepcopy__(self, memo):
+        import copy
+
+        return GatedTokenizer(copy.deepcopy(self.inner, memo), self.entered, self.release)
+
+
+def test_a_prompt_being_tokenized_never_holds_up_another_request():
+    from specula.serve.prompt_bound import ThreadTokenizers
+
+    app = create_app(load())
+    entered, release = threading.Event(), threading.Event()
+    with running_server(app) as server, ThreadPoolExecutor(1) as pool:
+        state = app.state.specula
+        state.tokenizers = ThreadTokenizers(GatedTokenizer(state.speculator.tokenizer, entered, release))
+        slow = pool.submit(lambda: http_for(server).post("/v1/completions", json={**COMPLETION, "prompt": "GATE"}))
+        assert entered.wait(WAIT_S)
+        try:
+            with http_for(server) as http:  # answered while the first prompt is still inside the tokenizer
+                assert http.post("/v1/completions", json=COMPLETION).status_code == 200
+            assert not slow.done()
+        finally:
+            release.set()
+        assert slow.result(WAIT_S).status_code == 200
+
+
+def test_a_body_shorter_than_its_content_length_is_a_client_error_not_a_500(server):
+    import socket
+
+    def count(status: str) -> float:
+        return sum(v for (name, labels), v in metric_samples(server).items()
+                   if name == "specula_requests_total" and dict(labels).get("status") == status)
+
+    errors_before = count("500")
+    with socket.create_connection(("127.0.0.1", server.port), timeout=WAIT_S) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"model\": \"stories")
+    wait_until(lambda: count("499") >= 1, "the cut-off request was counted")
+    assert count("500") == errors_before
+    with http_for(server) as http:
+        assert http.post("/v1/completions", json=COMPLETION).status_code == 200
+
+
+def test_serve_refuses_a_port_in_use_before_loading(monkeypatch, capsys):
+    import socket
+
+    from specula.runtime.target import Target
+
+    monkeypatch.setattr(Target, "load", classmethod(lambda cls, *a, **k: pytest.fail("a model was loaded")))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", "--target", str(STORIES), "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("specula: error: cannot listen on 127.0.0.1:") and err.count("\n") == 1, err

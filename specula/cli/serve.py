@@ -61,7 +61,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.model_name is not None and not args.model_name.strip():
         raise SpeculaError("--model-name must not be empty")
     try:  # the server's libraries load only for this command
-        from specula.serve import ServeSettings, create_app, serve
+        from specula.serve import ServeSettings, bind_socket, create_app, serve
     except ImportError as err:
         raise SpeculaError(f"specula serve needs fastapi, uvicorn and prometheus-client ({err}); "
                            "pip install fastapi uvicorn prometheus-client") from err
@@ -70,18 +70,22 @@ def run_serve(args: argparse.Namespace) -> int:
               file=sys.stderr)
     if args.compile and args.max_batch != 1:
         raise SpeculaError("--compile decodes one sequence at a time (batched steps run eager): add --max-batch 1")
-    speculator = build_speculator(args.target, method=args.method, draft=args.draft, dtype=args.dtype,
-                                  device=args.device, profile=not args.no_profile, weights=args.weights,
-                                  compile=args.compile, **method_options(args))
-    if speculator.target.compiled:  # before listening: no request should wait for a compilation
-        print(f"{PROG}: compiling the target's steps (blocks of up to {WARM_UP_BLOCK} tokens; about two "
-              "minutes per size the first time on a small CPU)", file=sys.stderr, flush=True)
-        speculator.target.warm_up(WARM_UP_BLOCK, speculator.drafter.features)
-    settings = ServeSettings(model_name=args.model_name, api_key=args.api_key, max_queue=args.max_queue,
-                             max_tokens_limit=args.max_tokens_limit, max_batch=args.max_batch,
-                             draft_budget=args.draft_budget,
-                             verify_curve=None if args.no_profile else profile_curve(speculator.target))
-    serve(create_app(speculator, settings), host=args.host, port=args.port, log_level=args.log_level)
+    sock = bind_socket(args.host, args.port)  # a port in use is refused before minutes of loading
+    try:
+        speculator = build_speculator(args.target, method=args.method, draft=args.draft, dtype=args.dtype,
+                                      device=args.device, profile=not args.no_profile, weights=args.weights,
+                                      compile=args.compile, **method_options(args))
+        if speculator.target.compiled:  # before serving: no request should wait for a compilation
+            print(f"{PROG}: compiling the target's steps (blocks of up to {WARM_UP_BLOCK} tokens; about two "
+                  "minutes per size the first time on a small CPU)", file=sys.stderr, flush=True)
+            speculator.target.warm_up(WARM_UP_BLOCK, speculator.drafter.features)
+        settings = ServeSettings(model_name=args.model_name, api_key=args.api_key, max_queue=args.max_queue,
+                                 max_tokens_limit=args.max_tokens_limit, max_batch=args.max_batch,
+                                 draft_budget=args.draft_budget,
+                                 verify_curve=None if args.no_profile else profile_curve(speculator.target))
+        serve(create_app(speculator, settings), host=args.host, port=args.port, log_level=args.log_level, sock=sock)
+    finally:  # also when loading fails: main() may run inside a larger program
+        sock.close()
     return 0
 
 

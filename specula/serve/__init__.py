@@ -12,7 +12,8 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {"ServeSettings": "app", "create_app": "app", "BatchedEngine": "engine", "Engine": "engine",
-            "GenerationRequest": "engine", "RequestStream": "engine", "running_server": "runner", "serve": "runner"}
+            "GenerationRequest": "engine", "RequestStream": "engine", "running_server": "runner", "serve": "runner",
+            "bind_socket": "runner"}
 __all__ = sorted(_EXPORTS)
 
 

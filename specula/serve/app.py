@@ -12,16 +12,16 @@ from __future__ import annotations
 import asyncio
 import hmac
 import math
-import threading
 import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from specula.errors import SpeculaError
@@ -37,8 +37,9 @@ from specula.serve.engine import (
     QueueFull,
     TextDelta,
 )
-from specula.serve.errors import APIError, bad_request
+from specula.serve.errors import CLIENT_CLOSED, APIError, bad_request
 from specula.serve.metrics import ServerMetrics
+from specula.serve.prompt_bound import ThreadTokenizers, fewest_tokens, max_token_bytes
 from specula.serve.responses import (
     EventStream,
     ResponseMeta,
@@ -80,7 +81,8 @@ class ServerState:
     model_name: str = ""
     created: int = 0
     draining: bool = False
-    encode_lock: threading.Lock = field(default_factory=threading.Lock)
+    tokenizers: ThreadTokenizers | None = None
+    max_token_bytes: int = 0  # the most UTF-8 bytes one token's text spells (`max_token_bytes`)
 
     @property
     def idle(self) -> bool:
@@ -116,6 +118,8 @@ def create_app(speculator_or_factory, settings: ServeSettings | None = None,
         speculator = speculator_or_factory() if is_factory else speculator_or_factory
         state.speculator = speculator
         state.model_name = settings.model_name or speculator.target.name
+        state.tokenizers = ThreadTokenizers(speculator.tokenizer)
+        state.max_token_bytes = max_token_bytes(speculator.tokenizer)
         state.created = int(time.time())
         state.engine = engine_factory(speculator, settings, state.metrics)
         state.engine.start()
@@ -177,7 +181,8 @@ def create_app(speculator_or_factory, settings: ServeSettings | None = None,
             raise bad_request("messages must be a non-empty list", param="messages")
         check_request(state, body)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        ids = await encode(state, "messages", lambda s: s.encode(messages=messages))
+        check_bytes_fit(state, [m["content"] for m in messages], "messages")
+        ids = await encode(state, "messages", lambda s, tokenizer: s.encode(messages=messages, tokenizer=tokenizer))
         return await serve(state, request, body, ids, "chatcmpl", chat=True)
 
     @app.post("/v1/completions")
@@ -186,7 +191,9 @@ def create_app(speculator_or_factory, settings: ServeSettings | None = None,
         body = parse_request(CompletionRequest, await read_body(request, settings.max_body_bytes))
         check_request(state, body)
         prompt = unsupported_completion_fields(body)
-        ids = await encode(state, "prompt", lambda s: s.encode(prompt, raw=True))
+        if isinstance(prompt, str):
+            check_bytes_fit(state, [prompt], "prompt")
+        ids = await encode(state, "prompt", lambda s, tokenizer: s.encode(prompt, raw=True, tokenizer=tokenizer))
         return await serve(state, request, body, ids, "cmpl", chat=False)
 
     return app
@@ -214,11 +221,15 @@ async def read_body(request: Request, limit: int) -> bytes:
     if declared.isdigit() and int(declared) > limit:
         raise APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
     parts, size = [], 0
-    async for part in request.stream():
-        size += len(part)
-        if size > limit:
-            raise APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
-        parts.append(part)
+    try:
+        async for part in request.stream():
+            size += len(part)
+            if size > limit:
+                raise APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+            parts.append(part)
+    except ClientDisconnect:  # the client left before its whole body came (e.g. fewer bytes than Content-Length)
+        raise APIError(CLIENT_CLOSED, "the client disconnected before sending the whole request body",
+                       code="client_closed_request") from None
     return b"".join(parts)
 
 
@@ -243,12 +254,25 @@ def unsupported_completion_fields(body: CompletionRequest) -> str | list[int]:
     return prompt
 
 
+def check_bytes_fit(state: ServerState, texts: list[str], param: str) -> None:
+    """400 for text too long for the context whatever the tokenizer makes of it, before the tokenizer runs.
+
+    B bytes make at least B / `max_token_bytes` tokens, so a prompt past that bound is refused in microseconds
+    instead of holding a thread for the seconds an 8 MB text takes to tokenize; one within it is tokenized and then
+    checked exactly (`generation_request`).
+    """
+    size, fewest = fewest_tokens(texts, state.max_token_bytes)
+    context = state.speculator.target.max_length
+    if fewest >= context:
+        raise bad_request(f"the prompt is {size} bytes, at least {fewest} tokens; this model's context is {context} "
+                          "tokens", param=param, code="context_length_exceeded")
+
+
 async def encode(state: ServerState, param: str, how: Callable) -> list[int]:
-    """Prompt ids by ``how(speculator)`` off the event loop (one at a time: tokenizers are not made for threads)."""
+    """Prompt ids by ``how(speculator, tokenizer)`` in a worker thread, with that thread's own tokenizer."""
 
     def run() -> list[int]:
-        with state.encode_lock:
-            return how(state.speculator).tolist()
+        return how(state.speculator, state.tokenizers.get()).tolist()
 
     try:
         return await anyio.to_thread.run_sync(run)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from fastapi.responses import JSONResponse
 
+CLIENT_CLOSED = 499  # nginx's "client closed request": the client left, so nobody reads the answer
+
 
 class APIError(Exception):
     """A request the server refuses or could not serve; `response()` is what the client receives."""

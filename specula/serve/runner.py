@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -14,7 +15,10 @@ from collections.abc import Iterator
 import uvicorn
 from fastapi import FastAPI
 
+from specula.errors import SpeculaError
+
 STARTUP_TIMEOUT_S = 60.0
+BACKLOG = 2048  # uvicorn's default
 
 
 class DrainingServer(uvicorn.Server):
@@ -52,9 +56,34 @@ def make_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_lev
     return DrainingServer(config, app)
 
 
-def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
-    """Serve until SIGTERM/SIGINT (blocking; call from the main thread so the signals reach it)."""
-    make_server(app, host, port, log_level).run()
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host``:``port`` and listening, or a SpeculaError saying why not (e.g. the port is in use).
+
+    `specula serve` binds before it loads the model, so a busy port is one error line in a second, not uvicorn's
+    log line after minutes of loading.
+    """
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError) as err:
+        raise SpeculaError(f"cannot listen on {host}:{port}: the host name cannot be resolved ({err})") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: restart over TIME_WAIT
+        sock.bind(address)
+        sock.listen(BACKLOG)
+    except OSError as err:
+        sock.close()
+        raise SpeculaError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+          sock: socket.socket | None = None) -> None:
+    """Serve until SIGTERM/SIGINT (blocking; call from the main thread so the signals reach it), on ``sock`` if
+    given (`bind_socket`), else on a socket uvicorn binds to ``host``:``port``."""
+    make_server(app, host, port, log_level).run(sockets=None if sock is None else [sock])
 
 
 @contextlib.contextmanager

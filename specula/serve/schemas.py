@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from specula.serve.errors import APIError, bad_request
 
@@ -31,7 +31,9 @@ class ContentPart(_Request):
 
 
 class ChatMessage(_Request):
-    role: str = Field(min_length=1)
+    # The roles a chat template renders; another (a typo, "tool" without tools) would be wrapped as a turn the model
+    # was never trained on, so it is refused.
+    role: Literal["system", "user", "assistant"]
     content: str | list[ContentPart]
 
     def text(self) -> str:
