@@ -239,16 +239,11 @@ def test_a_strictly_decoded_stream_that_fails_is_one_error_line_not_a_traceback(
 
 
 def test_a_diverged_training_error_starts_on_a_line_of_its_own(tmp_path, capsys):
-    from torch import nn
-
-    from specula.training.loop import TrainConfig, run_training
-
-    def loss_fn(model, batch):
-        return model(batch["x"].float()).sum() * math.nan, 1, {}
-
-    dataset = [{"input_ids": torch.arange(3), "x": torch.randn(3, 4)} for _ in range(4)]
-    with pytest.raises(SpeculaError, match="diverged"):
-        run_training(nn.Linear(4, 1), dataset, loss_fn, TrainConfig(epochs=1, batch_size=2, warmup_steps=0),
-                     tmp_path, lambda model, d: None, keys=("input_ids", "x"), log=lambda _: None, kind="train test")
-    err = capsys.readouterr().err
-    assert err and err.endswith("\n"), repr(err[-80:])  # the progress bar ended its line
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": f"Tom and his dog went to the park on day {i}. They played."}) + "\n"
+                            for i in range(12)))
+    code = main(["train", "eagle", "--target", str(STORIES), "--data", str(data), "--out", str(tmp_path / "out"),
+                 "--epochs", "2", "--batch-size", "4", "--eval-samples", "2", "--gen-max-new-tokens", "8",
+                 "--warmup-steps", "0", "--lr", "1e30"])
+    line = one_error(capsys, code)  # the line starts with `specula: error:`, not after the progress bar's text
+    assert "diverged" in line, line
