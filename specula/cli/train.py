@@ -16,6 +16,7 @@ from pathlib import Path
 from transformers import AutoConfig
 
 from specula.cli.common import DTYPE_CHOICES, device_name, number_list, positive_int
+from specula.cli.train_data import add_generation_arguments, add_train_data_parser, generated_inputs
 from specula.drafters.medusa import CHOICES_FILE, check_heads_fit
 from specula.errors import SpeculaError
 from specula.files.outputs import check_cache_dir, check_output_file, prepare_output_dir
@@ -56,8 +57,8 @@ def add_data_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--target", type=Path, default=DEFAULT_TARGET, metavar="DIR",
                    help="target model directory (default: the bundled %(default)s)")
-    p.add_argument("--data", type=Path, required=True, metavar="FILE",
-                   help="JSONL of {'conversations': [...]}, {'prompt': ...} or {'text': ...} records")
+    p.add_argument("--data", type=Path, metavar="FILE",
+                   help="JSONL of {'conversations': [...]}, {'prompt': ...} or {'text': ...} records (or --generated)")
     p.add_argument("--out", type=Path, required=True, metavar="DIR", help="where the head and checkpoints go")
     p.add_argument("--cache-dir", type=Path, metavar="DIR",
                    help="keep regenerated samples and target features here and reuse them (resumable; "
@@ -66,9 +67,10 @@ def add_data_arguments(p: argparse.ArgumentParser) -> None:
                    help="train on the data's own responses instead of the target's (no self-distillation)")
     p.add_argument("--gen-max-new-tokens", type=positive_int, default=256, metavar="N",
                    help="length of regenerated responses (default: %(default)s)")
-    p.add_argument("--gen-temperature", type=number_list, default=(0.0,), metavar="T[,T...]",
-                   help="temperature of regenerated responses (default: 0, greedy); several, e.g. 0,1, give each "
-                        "prompt one response per temperature (heads serve greedy and sampled decoding alike)")
+    p.add_argument("--gen-temperature", type=number_list, metavar="T[,T...]",
+                   help="temperature of regenerated responses (default: 0, greedy; --generated: 0,1); several, "
+                        "e.g. 0,1, give each prompt one response per temperature (heads serve greedy and sampled "
+                        "decoding alike)")
     p.add_argument("--gen-batch-size", type=positive_int, default=16, metavar="N")
     p.add_argument("--eval-samples", type=positive_int, default=32, metavar="N",
                    help="samples held out for the per-epoch evaluation (default: %(default)s)")
@@ -90,19 +92,25 @@ def add_data_arguments(p: argparse.ArgumentParser) -> None:
                    help="autocast for training (auto: bf16 on CUDA, none on CPU)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+    add_generation_arguments(p)
 
 
 def training_inputs(args: argparse.Namespace, request):
     """Load the target and build (target, train set, eval set, TrainConfig) from the shared options."""
 
-    if not args.data.is_file():
+    if (args.data is None) == (args.generated is None):
+        raise SpeculaError("give either --data (prompts the target answers) or --generated (`specula train data`)")
+    if args.data is not None and not args.data.is_file():
         raise SpeculaError(f"data file not found: {args.data}")
     # Settings and --out are checked before the target loads and regenerates data, which can take minutes.
     config = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
                          grad_clip=args.grad_clip, save_every=args.save_every, seed=args.seed,
                          mixed_precision=args.mixed_precision)
+    if args.generated is not None:
+        prepare_output_dir(args.out, f"train {args.trainer}", args.resume, create=False)
+        return (*generated_inputs(args, request), config)
     options = DataOptions(data=args.data, cache_dir=args.cache_dir, regenerate=not args.no_regenerate,
-                          max_new_tokens=args.gen_max_new_tokens, temperatures=args.gen_temperature,
+                          max_new_tokens=args.gen_max_new_tokens, temperatures=args.gen_temperature or (0.0,),
                           batch_size=args.gen_batch_size, eval_samples=args.eval_samples, seed=args.seed,
                           train_samples=args.train_samples, max_prompt_context=args.max_prompt_context)
     kind = f"train {args.trainer}"
@@ -328,7 +336,8 @@ def run_train_ldlp(args: argparse.Namespace) -> int:
 
 # Each entry registers one trainer on the `train` subcommand's subparsers.
 TRAINERS: list[Callable[[argparse._SubParsersAction], None]] = [add_train_eagle, add_train_eagle3_parser,
-                                                                add_train_medusa_parser, add_train_ldlp_parser]
+                                                                add_train_medusa_parser, add_train_ldlp_parser,
+                                                                add_train_data_parser]
 
 
 def add_train(subparsers: argparse._SubParsersAction) -> None:

@@ -29,6 +29,7 @@ from specula.runtime.target import FeatureRequest, Target
 from specula.training.chain import chain_acceptance
 from specula.training.eagle_trainer import eagle2_tau
 from specula.training.loop import TrainConfig, run_training
+from specula.training.target_distribution import draft_target_probs
 
 STEP_DECAY = 0.8
 DEFAULT_STEPS = 7
@@ -63,6 +64,7 @@ def eagle3_loss(target: Target, steps: int = DEFAULT_STEPS, decay: float = STEP_
     """The loss for `run_training`: batch has input_ids, loss_mask, valid, and the head's cached features."""
     embed = target.model.get_input_embeddings()
     lm_head = target.model.get_output_embeddings()
+    lm_vocab = int(target.vocab_size)
 
     def loss_fn(head: Eagle3Head, batch: dict[str, torch.Tensor]):
         core = getattr(head, "module", head)  # unwrapped when data parallel
@@ -72,12 +74,16 @@ def eagle3_loss(target: Target, steps: int = DEFAULT_STEPS, decay: float = STEP_
         features = core.sample_features(batch).to(dtype)
         with torch.no_grad():
             vocab = core.target_vocab_ids()
-            # Only the draft vocabulary's rows of the LM head: the target's full argmax was kept with the
-            # features (target_top), so the 49,152-wide product is never repeated at training time.
-            rows = lm_head.weight[vocab] if core.t2d is not None else lm_head.weight
-            target_logits = (batch["hidden"].to(rows.dtype) @ rows.T).float()  # [B, T, Vd]
-            in_vocab = torch.ones_like(valid) if core.t2d is None else core.t2d[batch["target_top"]]
-            target_probs = torch.softmax(target_logits, dim=-1)  # [B, T, Vd]
+            if "dist_probs" in batch:  # generated data: the target's own top-k, captured as it wrote
+                target_probs, in_vocab = draft_target_probs(batch["dist_ids"], batch["dist_probs"],
+                                                            vocab if core.t2d is not None else None, lm_vocab)
+            else:
+                # Only the draft vocabulary's rows of the LM head: the target's full argmax was kept with the
+                # features (target_top), so the 49,152-wide product is never repeated at training time.
+                rows = lm_head.weight[vocab] if core.t2d is not None else lm_head.weight
+                target_logits = (batch["hidden"].to(rows.dtype) @ rows.T).float()  # [B, T, Vd]
+                in_vocab = torch.ones_like(valid) if core.t2d is None else core.t2d[batch["target_top"]]
+                target_probs = torch.softmax(target_logits, dim=-1)  # [B, T, Vd]
             # Position p decides token t_{p+1}: train where that is a response token (or p is the last one).
             decides = response.clone()
             decides[:, :-1] |= response[:, 1:]
@@ -171,7 +177,9 @@ def train_eagle3(target: Target, train_set, eval_set, out: Path, config: TrainCo
         report["draft_vocab_coverage"] = round(coverage, 4)
         return report
 
-    keys = ("input_ids", "loss_mask", "hidden", "target_top")
+    generated = len(train_set) > 0 and "dist_probs" in train_set[0]  # captured top-k: no hidden needed
+    keys = ("input_ids", "loss_mask", "target_top") + (("dist_ids", "dist_probs") if generated else ("hidden",))
+    keys += ("hidden",) if generated and head.feature_request().final_hidden else ()
     keys += ("layer_inputs",) if head.feature_request().layer_inputs else ()
     return run_training(head, train_set, eagle3_loss(target, options.steps), config, out,
                         save_head=lambda model, directory: model.save_pretrained(directory), keys=keys,

@@ -10,6 +10,7 @@ import torch
 from specula.errors import SpeculaError
 from specula.runtime.target import FeatureRequest, Target
 from specula.training.features import CachedFeatures, OnlineFeatures, cache_features
+from specula.training.generated import GeneratedData
 from specula.training.regeneration import prepare_samples
 
 
@@ -128,4 +129,34 @@ def _request_name(request: FeatureRequest) -> str:
     return "features" + ("-final" if request.final_hidden else "") + (f"-layers{layers}" if layers else "")
 
 
-__all__ = ["CachedFeatures", "DataOptions", "Subset", "feature_sets"]
+def generated_sets(directory: Path, request: FeatureRequest, eval_samples: int, seed: int = 0,
+                   train_samples: int | None = None, max_prompt_context: int | None = None,
+                   target: Target | None = None) -> tuple[Subset, Subset]:
+    """(train, eval) sets of generated data (`specula.training.generated`): features captured while the target wrote.
+
+    ``eval_samples`` jobs, chosen with the seed, are held out (every sample of a held-out job stays out of
+    training: a document's summary quotes the document); eval holds each one's first sample. With
+    ``train_samples`` training uses the first that many of the rest, in generation order, so runs on growing
+    data share one held-out set.
+    """
+    data = GeneratedData(directory, request, target)
+    jobs = [data.info(i)["job"] for i in range(len(data))]
+    distinct = sorted(set(jobs))
+    if len(distinct) <= eval_samples:
+        raise SpeculaError(f"{len(distinct)} generated jobs are too few to hold out {eval_samples} for evaluation")
+    order = torch.randperm(len(distinct), generator=torch.Generator().manual_seed(seed)).tolist()
+    held = {distinct[i] for i in order[:eval_samples]}
+    firsts: dict[int, int] = {}
+    for index, job in enumerate(jobs):
+        firsts.setdefault(job, index)
+    evaluation = sorted(firsts[job] for job in held)
+    kept = [index for index, job in enumerate(jobs) if job not in held]
+    if train_samples is not None:
+        if train_samples > len(kept):
+            raise SpeculaError(f"--train-samples {train_samples} exceeds the {len(kept)} training samples")
+        kept = kept[:train_samples]
+    train = data if max_prompt_context is None else PromptCrop(data, max_prompt_context)
+    return Subset(train, kept), Subset(data, evaluation)
+
+
+__all__ = ["CachedFeatures", "DataOptions", "Subset", "feature_sets", "generated_sets"]

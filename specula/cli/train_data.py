@@ -1,0 +1,145 @@
+"""The data stage of `specula train`: generation with captured features (`specula train data`, and ``--generated``
+on every trainer), so that one command makes the data a head trains on."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from specula.cli.common import DTYPE_CHOICES, device_name, number_list, positive_int
+from specula.errors import SpeculaError
+from specula.heads.eagle3_head import default_feature_layers, fused_feature_request
+from specula.methods import DEFAULT_TARGET
+from specula.runtime.target import FeatureRequest, Target
+from specula.runtime.weights import WEIGHT_FORMATS
+from specula.training.conversations import PromptMix
+from specula.training.generated import FEATURE_DTYPES, RUN_FILE, GenerationOptions, default_weights, generate_data
+from specula.training.recipe import generated_sets
+from specula.training.records import has_chat_template
+
+
+def add_generation_arguments(p: argparse.ArgumentParser, standalone: bool = False) -> None:
+    """Options of generation with capture; ``standalone`` for `specula train data` (which has its own --out)."""
+    if not standalone:
+        p.add_argument("--generated", type=Path, metavar="DIR",
+                       help="train on data the target generated with its features captured (`specula train data`) "
+                            "instead of --data; with --gen-tokens it is generated (or extended) first")
+    p.add_argument("--gen-tokens", type=positive_int, metavar="N",
+                   help="generate until the data holds N response tokens (resumes a run already there)")
+    p.add_argument("--gen-weights", choices=[f for f in WEIGHT_FORMATS if f != "auto"],
+                   help="weights format the target generates in, the one the head will serve (default: q4_1 where "
+                        "its kernel is built, else float32; an existing run keeps its own)")
+    p.add_argument("--gen-top-k", type=positive_int, default=32, metavar="K",
+                   help="most probable next tokens kept per position with their probabilities (default: "
+                        "%(default)s)")
+    p.add_argument("--gen-feature-dtype", choices=list(FEATURE_DTYPES), default="float16",
+                   help="dtype of stored features and probabilities (default: %(default)s)")
+    p.add_argument("--gen-flush-jobs", type=positive_int, default=16, metavar="N",
+                   help="finished jobs per shard: a kill loses the jobs in flight and at most N-1 finished ones")
+    p.add_argument("--gen-max-jobs", type=positive_int, metavar="N", help="stop after N jobs")
+    p.add_argument("--gen-max-length", type=positive_int, default=4096, metavar="N",
+                   help="longest conversation in tokens (default: %(default)s)")
+    p.add_argument("--gen-answer-tokens", type=positive_int, default=640, metavar="N",
+                   help="longest ordinary answer (default: %(default)s; long-answer jobs 1024, documents 768)")
+    p.add_argument("--gsm8k", type=Path, metavar="FILE", help="GSM8K train questions ({'prompt': ...} lines)")
+    p.add_argument("--alpaca", type=Path, metavar="FILE", help="Alpaca seed tasks (seed_tasks.jsonl)")
+    if standalone:
+        p.add_argument("--target", type=Path, default=DEFAULT_TARGET, metavar="DIR",
+                       help="target model directory (default: the bundled %(default)s)")
+        p.add_argument("--out", type=Path, required=True, metavar="DIR", help="the data directory (resumable)")
+        p.add_argument("--capture", choices=("both", "eagle3", "eagle"), default="both",
+                       help="features kept: EAGLE-3's fused layers, EAGLE's final hidden, or both (default)")
+        p.add_argument("--gen-batch-size", type=positive_int, default=32, metavar="N")
+        p.add_argument("--gen-temperature", type=number_list, default=(0.0, 1.0), metavar="T[,T...]",
+                       help="answer temperatures, one drawn per job (default: 0,1)")
+        p.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32")
+        p.add_argument("--device", type=device_name, default="cpu")
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--threads", type=positive_int, metavar="N",
+                       help="torch threads (on a CPU shared with other work, 1 can be faster)")
+
+
+def add_train_data_parser(trainers: argparse._SubParsersAction) -> None:
+    p = trainers.add_parser("data", help="generate training data with the target's features captured",
+                            description="The target writes conversations (Magpie follow-ups, documents and tasks "
+                                        "on them, long answers, GSM8K/Alpaca seeds) in the format it serves, "
+                                        "its features and top-k distribution recorded as it writes; any trainer "
+                                        "reads the result with --generated.")
+    add_generation_arguments(p, standalone=True)
+    p.set_defaults(handler=run_train_data)
+
+
+def run_train_data(args: argparse.Namespace) -> int:
+    if args.threads:
+        import torch  # only to set the thread count
+
+        torch.set_num_threads(args.threads)
+    mix_args, options = _mix_arguments(args), _options(args)
+    target = _load_target(args, args.out)
+    config = target.config
+    layers = default_feature_layers(config.num_hidden_layers)
+    request = {"both": FeatureRequest(True, fused_feature_request(layers, config.num_hidden_layers).layer_inputs),
+               "eagle3": fused_feature_request(layers, config.num_hidden_layers),
+               "eagle": FeatureRequest(final_hidden=True)}[args.capture]
+    request = _stored_request(args.out) or request
+    totals = generate_data(target, args.out, PromptMix(chat=has_chat_template(target.tokenizer), **mix_args), request,
+                           options, log=_log)
+    print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in totals.items()}))
+    return 0
+
+
+def generated_inputs(args: argparse.Namespace, request: FeatureRequest):
+    """(target, train set, eval set) of ``--generated``, generating first when ``--gen-tokens`` asks for more."""
+    target = _load_target(args, args.generated)
+    if args.gen_tokens is not None:
+        config = target.config
+        both = FeatureRequest(True, tuple(sorted({*request.layer_inputs, *fused_feature_request(
+            default_feature_layers(config.num_hidden_layers), config.num_hidden_layers).layer_inputs})))
+        mix = PromptMix(chat=has_chat_template(target.tokenizer), **_mix_arguments(args))
+        generate_data(target, args.generated, mix, _stored_request(args.generated) or both, _options(args), log=_log)
+    train, evaluation = generated_sets(args.generated, request, args.eval_samples, args.seed, args.train_samples,
+                                       args.max_prompt_context, target)
+    return target, train, evaluation
+
+
+def _mix_arguments(args: argparse.Namespace) -> dict:
+    temperatures = args.gen_temperature if args.gen_temperature is not None else (0.0, 1.0)
+    for path in (args.gsm8k, args.alpaca):
+        if path is not None and not path.is_file():
+            raise SpeculaError(f"seed file not found: {path}")
+    return {"seed": args.seed, "temperatures": tuple(temperatures), "answer_tokens": args.gen_answer_tokens,
+            "gsm8k": args.gsm8k, "alpaca": args.alpaca}
+
+
+def _options(args: argparse.Namespace) -> GenerationOptions:
+    return GenerationOptions(response_tokens=args.gen_tokens or 100_000, max_jobs=args.gen_max_jobs,
+                             batch_size=args.gen_batch_size, top_k=args.gen_top_k,
+                             feature_dtype=args.gen_feature_dtype, flush_jobs=args.gen_flush_jobs,
+                             max_length=args.gen_max_length)
+
+
+def _stored_run(directory: Path) -> dict | None:
+    path = Path(directory) / RUN_FILE
+    return json.loads(path.read_text())["components"] if path.is_file() else None
+
+
+def _stored_request(directory: Path) -> FeatureRequest | None:
+    run = _stored_run(directory)
+    if run is None:
+        return None
+    return FeatureRequest(run["request"]["final_hidden"], tuple(run["request"]["layer_inputs"]))
+
+
+def _load_target(args: argparse.Namespace, directory: Path) -> Target:
+    """The target in the data's weights format (an existing run's, else --gen-weights or the default)."""
+    run = _stored_run(directory)
+    weights = run["target"]["format"] if run is not None else args.gen_weights or default_weights(args.device)
+    if run is not None and args.gen_weights not in (None, weights):
+        raise SpeculaError(f"{directory} was generated with --gen-weights {weights}, not {args.gen_weights}")
+    return Target.load(args.target, dtype=args.dtype, device=args.device, weights=weights)
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr)
