@@ -611,3 +611,19 @@ def test_serve_refuses_a_port_in_use_before_loading(monkeypatch, capsys):
         assert main(["serve", "--target", str(STORIES), "--port", str(port)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("specula: error: cannot listen on 127.0.0.1:") and err.count("\n") == 1, err
+
+
+def test_a_prompt_too_long_for_the_context_is_refused_before_the_tokenizer_sees_it():
+    from specula.serve.prompt_bound import ThreadTokenizers
+
+    app = create_app(load())
+    entered, release = threading.Event(), threading.Event()
+    release.set()
+    with running_server(app) as server, http_for(server) as http:
+        state = app.state.specula
+        state.tokenizers = ThreadTokenizers(GatedTokenizer(state.speculator.tokenizer, entered, release))
+        response = http.post("/v1/completions", json={**COMPLETION, "prompt": "GATE " + "Once upon a time " * 8_000})
+        assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
+        assert not entered.is_set()  # refused from its byte length alone
+        assert http.post("/v1/completions", json={**COMPLETION, "prompt": "GATE Once"}).status_code == 200
+        assert entered.is_set()
