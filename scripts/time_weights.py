@@ -38,8 +38,9 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from specula.runtime.loading import load_causal_lm, load_converted_lm  # noqa: E402
 from specula.runtime.model_source import DEFAULT_MODEL, gguf_source, model_name  # noqa: E402
-from specula.runtime.target import Target, load_causal_lm, load_converted_lm  # noqa: E402
+from specula.runtime.target import Target  # noqa: E402
 from specula.runtime.weights import GROUPED_FORMATS, KERNEL_DTYPE, quantize_linear_weights  # noqa: E402
 
 QUESTIONS = REPO.parent / "shared" / "data" / "mt_bench" / "question.jsonl"

@@ -10,9 +10,9 @@ import torch
 from conftest import write_tiny_gguf
 from gguf import GGMLQuantizationType as Q
 
-from specula import quantized_linear
 from specula.gguf.block_embedding import Q8_0Embedding
 from specula.kernels import q4_1
+from specula.runtime import quantized_linear
 from specula.runtime.quantized_linear import Int4Linear, int4_groups
 from specula.runtime.target import Target
 

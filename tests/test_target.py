@@ -82,7 +82,7 @@ def test_generic_runtime_handles_non_llama_models():
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=97, n_embd=64, n_layer=2, n_head=4, n_positions=128)).eval()
     target = Target(model)
-    assert type(target.runtime).__name__ == "_GenericRuntime"
+    assert type(target.runtime).__name__ == "GenericRuntime"
     prompt = torch.randint(0, 97, (9,), generator=torch.Generator().manual_seed(8))
     tree = random_tree(10, 97, seed=9)
     target.prefill(prompt)

@@ -101,7 +101,7 @@ def padded_block(cache: StaticKVCache, positions: torch.Tensor,
 
 
 class CompiledStep:
-    """Runs a `_LlamaFamilyRuntime`'s forward for blocks of up to `BLOCK_BUCKETS[-1]` tokens, compiled."""
+    """Runs a `LlamaFamilyRuntime`'s forward for blocks of up to `BLOCK_BUCKETS[-1]` tokens, compiled."""
 
     def __init__(self, runtime):
         self.runtime = runtime

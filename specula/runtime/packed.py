@@ -19,8 +19,9 @@ from dataclasses import dataclass
 import torch
 
 from specula.errors import SpeculaError
+from specula.runtime.forward import FeatureRequest, ForwardOutput, LlamaFamilyRuntime
 from specula.runtime.static_cache import Segment, block_attention_mask
-from specula.runtime.target import FeatureRequest, ForwardOutput, Target, _LlamaFamilyRuntime
+from specula.runtime.target import Target
 
 
 @dataclass
@@ -52,7 +53,7 @@ def forward_packed(targets: list[Target], blocks: list[Block]) -> list[ForwardOu
     if len(targets) != len(blocks):
         raise ValueError(f"{len(targets)} targets for {len(blocks)} blocks")
     runtimes = [t.runtime for t in targets]
-    if len(targets) == 1 or not all(isinstance(r, _LlamaFamilyRuntime) for r in runtimes):
+    if len(targets) == 1 or not all(isinstance(r, LlamaFamilyRuntime) for r in runtimes):
         return [block.run(target) for target, block in zip(targets, blocks, strict=True)]
     if len({id(r.cache) for r in runtimes}) != len(runtimes):
         raise ValueError("packed sequences need one KV cache each (Target.fork)")
