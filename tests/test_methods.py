@@ -3,7 +3,6 @@ the command line offers exactly the registry's options, and the package's import
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import io
 from pathlib import Path
@@ -89,63 +88,3 @@ def test_generate_help_lists_exactly_the_registry_options():
     generate = next(a for a in build_parser()._subparsers._group_actions[0].choices["generate"]._actions
                     if a.dest == "method")
     assert tuple(generate.choices) == tuple(METHODS)
-
-
-def imports_of(path: Path) -> set[str]:
-    """Modules of the package that ``path`` imports (anywhere in the file)."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("specula"):
-            found.add(node.module)
-            found.update(f"{node.module}.{alias.name}" for alias in node.names)
-        elif isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names if alias.name.startswith("specula"))
-    return found
-
-
-def module_graph() -> dict[str, set[str]]:
-    files = {".".join(("specula", *p.relative_to(PACKAGE).with_suffix("").parts)).removesuffix(".__init__"): p
-             for p in PACKAGE.rglob("*.py")}
-    return {name: {m for m in imports_of(path) if m in files and m != name} for name, path in files.items()}
-
-
-def import_cycle(graph: dict[str, set[str]]) -> list[str]:
-    """One import cycle of ``graph`` as a list of modules (first == last), or [] when there is none."""
-    state: dict[str, int] = {}
-    stack: list[str] = []
-
-    def visit(node: str) -> list[str]:
-        state[node] = 1
-        stack.append(node)
-        for nxt in sorted(graph[node]):
-            if state.get(nxt) == 1:
-                return stack[stack.index(nxt):] + [nxt]
-            if nxt not in state and (cycle := visit(nxt)):
-                return cycle
-        stack.pop()
-        state[node] = 2
-        return []
-
-    for node in sorted(graph):
-        if node not in state and (cycle := visit(node)):
-            return cycle
-    return []
-
-
-def test_package_imports_have_no_cycle():
-    graph = module_graph()
-    assert import_cycle(graph) == []
-    graph["specula.runtime.target"] = graph["specula.runtime.target"] | {"specula.methods"}  # the check can fail
-    assert import_cycle(graph)
-
-
-def test_argparse_is_used_only_in_the_cli_package():
-    users = []
-    for path in PACKAGE.rglob("*.py"):
-        tree = ast.parse(path.read_text())
-        names = {alias.name for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
-                 for alias in node.names} | {node.module for node in ast.walk(tree)
-                                             if isinstance(node, ast.ImportFrom) and node.module}
-        if "argparse" in names and path.parent.name != "cli":
-            users.append(str(path.relative_to(PACKAGE)))
-    assert users == []

@@ -34,12 +34,21 @@ from pathlib import Path
 
 import torch
 
+import specula
 from specula.bench.config import MethodSpec
+from specula.bench.divergences import annotate_divergences
+from specula.bench.llamacpp import LlamaCppRunner, server_table, summarize_turns
 from specula.bench.metrics import add_counts, aggregate, merge_calibration, repetition
 from specula.bench.questions import Question
+from specula.bench.report import write_report
+from specula.bench.runners import make_runner, max_rss_mb, rss_mb
+from specula.chat.template import conversation_ids
 from specula.errors import SpeculaError
 from specula.files.outputs import atomic_write_text
+from specula.gguf.cache import file_sha256
+from specula.methods import METHODS, default_draft
 from specula.runtime.compiled_step import WARM_UP_BLOCK
+from specula.runtime.target import Target
 from specula.runtime.weights import resolve_weights
 from specula.sampling import SamplingParams
 
@@ -153,9 +162,6 @@ def draft_digest(spec: MethodSpec, target: str | Path) -> str | None:
     Part of a method's settings, so that a head retrained in place (same path, new weights) is not taken
     for the one an earlier run in this output directory measured: resuming is then refused.
     """
-    from specula.gguf.cache import file_sha256
-    from specula.methods import METHODS, default_draft
-
     draft = spec.draft
     if draft is None and spec.method in METHODS and METHODS[spec.method].draft:  # not transformers/llama.cpp rows
         draft = default_draft(target, spec.method)
@@ -188,8 +194,6 @@ def check_resumable(previous: dict, settings: dict) -> None:
 def environment(settings: BenchSettings, target) -> dict:
     import transformers
 
-    import specula
-
     return {
         "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
         "specula": specula.__version__, "machine": platform.machine(), "processor": platform.processor(),
@@ -211,9 +215,6 @@ def _turn_dict(prompt_len: int, cut: int, result) -> dict:
 def run_question(runner, spec: MethodSpec, question: Question, tokenizer, temperature: float,
                  settings: BenchSettings, max_prompt_tokens: int) -> dict:
     """Every turn of one question with one method; the model's own answers go back into the context."""
-    from specula.bench.llamacpp import summarize_turns
-    from specula.bench.runners import conversation_ids, rss_mb
-
     params = SamplingParams(temperature, settings.top_k, settings.top_p)
     answers: list[str] = []
     turns, results = [], []
@@ -264,12 +265,6 @@ def run_bench(settings: BenchSettings) -> dict:
 
 def _run_bench(settings: BenchSettings, resources: contextlib.ExitStack) -> dict:
     from tqdm import tqdm
-
-    from specula.bench.divergences import annotate_divergences
-    from specula.bench.llamacpp import LlamaCppRunner, server_table
-    from specula.bench.report import write_report
-    from specula.bench.runners import conversation_ids, make_runner, max_rss_mb, rss_mb
-    from specula.runtime.target import Target
 
     out = Path(settings.out)
     if out.exists() and not out.is_dir():

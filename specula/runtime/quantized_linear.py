@@ -39,6 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specula.kernels import q4_1
+
 GROUP_SIZE = 32
 INT4_N_MULTIPLE = 16  # the CPU packing refuses other N; CUDA needs 8
 Q4_1_N_MULTIPLE = 8  # the q4_1 kernel's outputs come in groups of 8 (specula.kernels.q4_1.pack)
@@ -244,8 +246,6 @@ class Q4_1Linear(_KernelLinear):
 
     def __init__(self, groups: Int4Groups, bias: torch.Tensor | None):
         super().__init__()
-        from specula.kernels import q4_1
-
         self._op = q4_1.load()
         if groups.group_size != GROUP_SIZE:
             raise ValueError(f"q4_1 blocks span {GROUP_SIZE} inputs, not {groups.group_size}")
@@ -269,8 +269,6 @@ class Q4_1Linear(_KernelLinear):
     def blocks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The stored Q4_1 blocks, w = codes * d + m: (codes uint8 [N, K'], d, m float32 [N, K' / 32]),
         K' = K rounded up to 32."""
-        from specula.kernels import q4_1
-
         return q4_1.unpack(self.packed, self.scales, self.out_features)
 
     def extra_repr(self) -> str:
