@@ -27,8 +27,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from specula.errors import SpeculaError
 from specula.sampling import SamplingParams, check_seed
 from specula.serve.budget import DEFAULT_MAX_BATCH, DraftBudget
-from specula.serve.engine import (
-    BatchedEngine,
+from specula.serve.engine import BatchedEngine
+from specula.serve.errors import CLIENT_CLOSED, APIError, bad_request
+from specula.serve.metrics import ServerMetrics
+from specula.serve.prompt_bound import ThreadTokenizers, fewest_tokens, max_token_bytes
+from specula.serve.requests import (
     Engine,
     EngineStopped,
     Failed,
@@ -37,9 +40,6 @@ from specula.serve.engine import (
     QueueFull,
     TextDelta,
 )
-from specula.serve.errors import CLIENT_CLOSED, APIError, bad_request
-from specula.serve.metrics import ServerMetrics
-from specula.serve.prompt_bound import ThreadTokenizers, fewest_tokens, max_token_bytes
 from specula.serve.responses import (
     EventStream,
     ResponseMeta,

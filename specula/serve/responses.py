@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from specula.serve.engine import Failed, Finished, RequestStream, TextDelta
 from specula.serve.errors import APIError
+from specula.serve.requests import Failed, Finished, RequestStream, TextDelta
 from specula.serve.schemas import (
     ChatChoice,
     ChatChunkChoice,
