@@ -31,6 +31,7 @@ from specula.drafters.draft_model import DraftModelDrafter, check_same_vocabular
 from specula.drafters.eagle import EAGLE2_BUDGETS, EAGLE3_BUDGETS, EagleDrafter
 from specula.drafters.medusa import build_medusa_drafter
 from specula.drafters.prompt_lookup import PromptLookupDrafter
+from specula.drafters.suffix import build_suffix_drafter
 from specula.drafters.vanilla import VanillaDrafter
 from specula.errors import SpeculaError
 from specula.heads.eagle3_head import Eagle3Head
@@ -150,6 +151,16 @@ LDLP = OptionSpec("ldlp", "path", "--ldlp", "ada: the draft length predictor (de
 DRAFT_WEIGHTS = OptionSpec("draft_weights", "weights", "--draft-weights",
                            "sps: the draft model's weight format (default: float32)", None, "FORMAT")
 TREE = OptionSpec("tree", "bool", "--ada-tree", "ada: a dynamic tree of the predicted depth instead of a chain")
+SUFFIX_OPTIONS = (
+    OptionSpec("max_match", "int", "--suffix-max-match", "suffix: longest phrase matched (tokens)", 1, "N"),
+    OptionSpec("spec_factor", "float", "--suffix-spec-factor", "suffix: draft nodes per matched token", 0.0, "F"),
+    OptionSpec("min_prob", "float", "--suffix-min-prob", "suffix: least path probability of a draft node", 0.0, "P"),
+    OptionSpec("chain", "bool", "--suffix-chain", "suffix: draft chains, never branch"),
+    OptionSpec("corpus", "bool", "--suffix-corpus", "suffix: draft from this process's earlier answers too, one "
+               "corpus shared by every generation (in serve: by every client)"),
+    OptionSpec("corpus_nodes", "int", "--suffix-corpus-nodes", "suffix: corpus cap in trie nodes (~72 B each); "
+               "oldest answers evicted first", 1, "N"),
+)
 
 # Acceptance options apply to every method: they choose the rule, not the drafter.
 ACCEPTANCE = ("lossless", "typical")
@@ -197,6 +208,11 @@ def _vanilla(target: Target, draft: Path | None, options: dict, dtype: str) -> D
 
 def _pld(target: Target, draft: Path | None, options: dict, dtype: str) -> Drafter:
     return PromptLookupDrafter(**options)
+
+
+def _suffix(target: Target, draft: Path | None, options: dict, dtype: str) -> Drafter:
+    options = dict(options)
+    return build_suffix_drafter(tree=not options.pop("chain", False), **options)
 
 
 def _check_pld(options: dict) -> None:
@@ -260,6 +276,8 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            draft_is_model=True),
     Method("pld", "prompt lookup: continue the latest earlier match of the last n-gram",
            (NUM_TOKENS, MAX_NGRAM, MIN_NGRAM), _pld, check=_check_pld),
+    Method("suffix", "suffix decoding: the most frequent continuations of the longest earlier match, as a tree",
+           (NUM_TOKENS, *SUFFIX_OPTIONS), _suffix),
     Method("eagle", "EAGLE head drafting a static tree", (CHOICES,), _eagle(dynamic=False),
            draft=HEAD.format("EAGLE"), why_not="eagle drafts a static tree given by --tree-choices; eagle2 grows "
            "dynamic trees"),
