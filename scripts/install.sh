@@ -19,3 +19,5 @@ fi
 .venv/bin/python -m specula.kernels.q4_1
 # (through -c: `import specula` itself imports the attention module, which `-m` would then run a second time)
 .venv/bin/python -c 'from specula.kernels import attention; print(attention.build_report())'
+# The row-invariant float32 matmul (about 20 s): without it float32 linears go through the BLAS.
+.venv/bin/python -c 'from specula.kernels import float32; print(float32.build_report())'

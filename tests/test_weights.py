@@ -17,6 +17,7 @@ from specula.bench.agreement import argmax_agreement, find_divergence
 from specula.cli import main
 from specula.errors import SpeculaError
 from specula.gguf.blocks import blocks_to_groups, llama_row_order
+from specula.kernels import float32 as float32_kernel
 from specula.kernels import q4_1
 from specula.runtime.quantized_linear import (
     BFloat16Linear,
@@ -133,7 +134,9 @@ def test_float32_linear_is_the_float32_matmul_on_the_same_parameters(rows):
 
 def test_float32_target_keeps_its_tied_lm_head_tied_and_small_layers_plain(monkeypatch):
     """Swapping in Float32Linear keeps every parameter: a tied LM head still is the embedding. Layers small
-    enough to stay in cache keep `F.linear`, which is faster for them."""
+    enough to stay in cache keep `F.linear`, which is faster for them (without the row-invariant kernel, which
+    takes every float32 linear: tests/test_row_invariance.py)."""
+    monkeypatch.setattr(float32_kernel, "_kernel", None)
     monkeypatch.setenv("SPECULA_FLOAT32_LAYOUT", "columns")  # where the machine's measurement chose it
     model = tiny_model("llama", tie_word_embeddings=True, vocab_size=FLOAT32_LAYOUT_MIN_ELEMENTS // 64)
     quantize_linear_weights(model, "float32", lm_head=True)

@@ -52,6 +52,7 @@ from torch import nn
 
 from specula.errors import SpeculaError
 from specula.gguf.blocks import EMBEDDING, carried_groups, read_linear_blocks
+from specula.kernels.float32 import kernel as float32_kernel
 from specula.kernels.q4_1 import unavailable_reason
 from specula.runtime.float32_layout import columns_layout_pays
 from specula.runtime.heap import trim_heap
@@ -292,17 +293,21 @@ def _use_float32_layout(model: nn.Module, names: list[str]) -> None:
     memory; a small one stays in cache and its extra operations cost more than they save (one row through a
     64 x 64 weight: 8 us with ``F.linear``, 69 us as two columns).
     """
-    large_cpu_float32 = [name for name in names if _streams_from_memory(model.get_submodule(name))]
-    if not large_cpu_float32 or not columns_layout_pays():
+    if float32_kernel() is not None:  # the row-invariant kernel: every float32 CPU linear, whatever its size
+        large_cpu_float32 = [name for name in names if _streams_from_memory(model.get_submodule(name), 0)]
+    else:
+        large_cpu_float32 = [name for name in names if _streams_from_memory(model.get_submodule(name))]
+    if not large_cpu_float32 or (float32_kernel() is None and not columns_layout_pays()):
         return
     for name in large_cpu_float32:
         replace_submodule(model, name, Float32Linear.sharing(model.get_submodule(name)))
 
 
-def _streams_from_memory(linear: nn.Module) -> bool:
-    """A plain float32 CPU `nn.Linear` large enough that a decoding step streams its weight from memory."""
+def _streams_from_memory(linear: nn.Module, least: int = FLOAT32_LAYOUT_MIN_ELEMENTS) -> bool:
+    """A plain float32 CPU `nn.Linear` of at least ``least`` weights (large enough that a decoding step streams its
+    weight from memory)."""
     return (type(linear) is nn.Linear and linear.weight.dtype == torch.float32 and linear.weight.device.type == "cpu"
-            and linear.weight.numel() >= FLOAT32_LAYOUT_MIN_ELEMENTS)
+            and linear.weight.numel() >= least)
 
 
 def replace_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
