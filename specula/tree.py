@@ -8,9 +8,12 @@ is itself a tree. A chain is the tree whose node i has parent i - 1.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+from specula.errors import SpeculaError
 
 
 @dataclass
@@ -119,3 +122,24 @@ class DraftTree:
         probs = None if self.draft_probs is None else self.draft_probs[keep]
         confidences = None if self.confidences is None else self.confidences[keep]
         return DraftTree(self.tokens[keep], parents, probs, confidences)
+
+
+def check_rank_paths(paths: Sequence, label: str = "tree choices") -> list[tuple[int, ...]]:
+    """Child-rank paths such as [[0], [1], [0, 0]] checked as one tree: a non-empty list of non-empty lists
+    of ranks >= 0, no path twice, every path's parent listed. Returns them as tuples, in the given order.
+
+    Both ways a static tree arrives share it: a method option (`specula.options.parse_tree`) and a Medusa
+    head's saved choices (`specula.drafters.medusa.check_choices`)."""
+    if not (isinstance(paths, (list, tuple)) and paths and all(
+            isinstance(p, (list, tuple)) and p and all(isinstance(r, int) and not isinstance(r, bool) and r >= 0
+                                                      for r in p) for p in paths)):
+        raise SpeculaError(f"{label} must be a non-empty list of non-empty lists of ranks >= 0, "
+                           "such as [[0],[1],[0,0]]")
+    found = [tuple(p) for p in paths]
+    present = set(found)
+    if len(present) != len(found):
+        raise SpeculaError(f"{label} lists a path twice")
+    orphans = [list(p) for p in found if len(p) > 1 and p[:-1] not in present]
+    if orphans:
+        raise SpeculaError(f"{label}: the parent paths of {orphans[:3]} are not listed")
+    return found

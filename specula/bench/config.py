@@ -39,7 +39,8 @@ from typing import Any
 
 from specula.bench.llamacpp_options import LLAMACPP_METHODS, check_llamacpp_options
 from specula.errors import SpeculaError
-from specula.methods import METHODS, AcceptanceOptions, OptionSpec, check_options
+from specula.methods import METHODS, check_options
+from specula.options import AcceptanceOptions, OptionSpec
 
 # Outside baselines run through `transformers` generate, each with the options it understands, checked as the
 # registry checks ours (`OptionSpec.coerce`): a value transformers would reject, or silently misread, mid-run is

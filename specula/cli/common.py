@@ -12,7 +12,8 @@ from typing import NoReturn
 import torch
 
 from specula.errors import SpeculaError
-from specula.methods import ACCEPTANCE, METHODS, TYPICAL_ALPHA, TYPICAL_THRESHOLD, all_options, methods_taking
+from specula.methods import METHODS, all_options, methods_taking
+from specula.options import ACCEPTANCE, TYPICAL_ALPHA, TYPICAL_THRESHOLD
 from specula.runtime.weights import AUTO_FORMAT, WEIGHT_FORMATS
 
 PROG = "specula"

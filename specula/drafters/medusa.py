@@ -36,7 +36,7 @@ from specula.heads.medusa_head import MedusaHeads
 from specula.runtime.target import FeatureRequest, ForwardOutput, Target
 from specula.runtime.weights import quantize_every_linear
 from specula.sampling import SamplingParams
-from specula.tree import DraftTree
+from specula.tree import DraftTree, check_rank_paths
 
 CHOICES_FILE = "medusa_choices.json"
 # A 15-candidate tree, from held-out rank accuracies of pycoder-25m's heads (docs/defaults.md).
@@ -53,21 +53,8 @@ def default_choices(device: torch.device | str, num_heads: int) -> list[list[int
 
 
 def check_choices(choices, num_heads: int | None = None, vocab_size: int | None = None) -> list[list[int]]:
-    """Validated rank paths sorted by (depth, ranks): non-empty, parents listed, within the heads and vocabulary."""
-    if not isinstance(choices, (list, tuple)) or not choices:
-        raise SpeculaError("Medusa tree choices must be a non-empty list of rank paths, e.g. [[0], [1], [0, 0]]")
-    paths = []
-    for path in choices:
-        if not isinstance(path, (list, tuple)) or not path or not all(
-                isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in path):
-            raise SpeculaError(f"Medusa tree path {path!r} is not a non-empty list of ranks >= 0")
-        paths.append(tuple(path))
-    present = set(paths)
-    if len(present) != len(paths):
-        raise SpeculaError("Medusa tree choices list a path twice")
-    orphans = [list(p) for p in paths if len(p) > 1 and p[:-1] not in present]
-    if orphans:
-        raise SpeculaError(f"Medusa tree paths {orphans[:3]} lack their parent paths")
+    """Validated rank paths sorted by (depth, ranks): one tree (`check_rank_paths`), within the heads and vocabulary."""
+    paths = check_rank_paths(choices, "Medusa tree choices")
     deepest = max(map(len, paths))
     if num_heads is not None and deepest > num_heads:
         raise SpeculaError(f"the Medusa tree is {deepest} deep but there are only {num_heads} heads")
