@@ -42,9 +42,7 @@ class AdaDrafter(EagleDrafter):
         if tree:
             super().__init__(target, head, dynamic=True, name="ada-tree", total_tokens=total_tokens,
                              depth=cap, top_k=top_k)
-        else:
-            if total_tokens is not None or top_k is not None:
-                raise SpeculaError("ada draws a chain; total_tokens and top_k apply only with tree=True (--ada-tree)")
+        else:  # (total_tokens and top_k only with tree: the registry's rule, checked where options arrive)
             # One child per node and room for the longest chain: EAGLE-2 growth degenerates to a chain.
             super().__init__(target, head, dynamic=True, name="ada", total_tokens=cap, depth=cap, top_k=1)
         predictor.check_fits(target.config.hidden_size, target.vocab_size)
@@ -78,13 +76,10 @@ class AdaDrafter(EagleDrafter):
 
 def build_ada_drafter(target: Target, draft: str | None, ldlp: str | Path | None = None, tree: bool = False,
                       **options) -> AdaDrafter:
-    """`ada` from an EAGLE head directory and an LDLP directory (default: ``draft/ldlp``)."""
+    """`ada` from an EAGLE head directory and an LDLP directory (default: ``draft/ldlp``); ``options``
+    (num_tokens, and total_tokens/top_k with a tree) as the registry checked them (`specula.methods`)."""
     if not draft:
         raise SpeculaError("method ada needs --draft HEAD_DIR, a trained EAGLE head for this target")
-    unknown = set(options) - {"num_tokens", "total_tokens", "top_k"}
-    if unknown:
-        hint = " (ada predicts the depth)" if "depth" in unknown else ""
-        raise SpeculaError(f"method ada does not take {', '.join(sorted(unknown))}{hint}")
     ldlp_dir = Path(ldlp) if ldlp else Path(draft) / LDLP_SUBDIR
     if not ldlp_dir.is_dir():
         raise SpeculaError(f"no LDLP at {ldlp_dir}: method ada needs --ldlp DIR (or HEAD_DIR/{LDLP_SUBDIR}), "
