@@ -104,6 +104,11 @@ def _suffix(target: Target, draft: Path | None, options: dict, dtype: str) -> Dr
     return build_suffix_drafter(tree=not options.pop("chain", False), **options)
 
 
+def _check_suffix(options: dict) -> None:
+    if options.get("spec_factor", 1.0) <= 0 or options.get("min_prob", 0.0) > 1:
+        raise SpeculaError("suffix needs spec_factor > 0 and min_prob <= 1")
+
+
 def _check_pld(options: dict) -> None:
     if options.get("min_ngram", 1) > options.get("max_ngram", max(3, options.get("min_ngram", 1))):
         raise SpeculaError("pld needs min_ngram <= max_ngram")
@@ -166,7 +171,7 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("pld", "prompt lookup: continue the latest earlier match of the last n-gram",
            (NUM_TOKENS, MAX_NGRAM, MIN_NGRAM), _pld, check=_check_pld),
     Method("suffix", "suffix decoding: the most frequent continuations of the longest earlier match, as a tree",
-           (NUM_TOKENS, *SUFFIX_OPTIONS), _suffix),
+           (NUM_TOKENS, *SUFFIX_OPTIONS), _suffix, check=_check_suffix),
     Method("eagle", "EAGLE head drafting a static tree", (CHOICES,), _eagle(dynamic=False),
            draft=HEAD.format("EAGLE"), why_not="eagle drafts a static tree given by --tree-choices; eagle2 grows "
            "dynamic trees"),
@@ -212,12 +217,8 @@ def methods_taking(name: str) -> list[str]:
     return [m.name for m in METHODS.values() if m.takes(name)]
 
 
-def check_options(method: str, options: Mapping[str, Any], where: str = "") -> dict:
-    """``options`` checked against ``method``'s schema: names, types, ranges and cross-option rules.
-
-    Returns them coerced to their types. An option the method does not take is an error, never ignored.
-    """
-    spec = get_method(method)
+def _coerce(spec: Method, options: Mapping[str, Any], where: str = "") -> dict:
+    """``options`` coerced to their types, each one a known option that ``spec``'s method takes."""
     known = {s.name: s for s in all_options()}
     checked = {}
     for name, value in options.items():
@@ -228,8 +229,18 @@ def check_options(method: str, options: Mapping[str, Any], where: str = "") -> d
             takes = ", ".join(f"{s.name} ({s.flag})" for s in spec.options) or "no options"
             why = f" ({spec.why_not})" if spec.why_not else ""
             raise SpeculaError(f"{where}{known[name].flag} ({name}) applies only to method "
-                               f"{', '.join(methods_taking(name))}, not {method}{why}; {method} takes {takes}")
+                               f"{', '.join(methods_taking(name))}, not {spec.name}{why}; {spec.name} takes {takes}")
         checked[name] = value
+    return checked
+
+
+def check_options(method: str, options: Mapping[str, Any], where: str = "") -> dict:
+    """``options`` checked against ``method``'s schema: names, types, ranges and cross-option rules.
+
+    Returns them coerced to their types. An option the method does not take is an error, never ignored.
+    """
+    spec = get_method(method)
+    checked = _coerce(spec, options, where)
     spec.check(checked)
     return checked
 
@@ -249,7 +260,11 @@ def default_draft(target: str | Path, method: str) -> Path | None:
 
 def resolve_draft(method: str, target: str | Path, draft: str | Path | None) -> Path | None:
     """The draft directory ``method`` will use, checked to exist (before any model loads)."""
-    spec = get_method(method)
+    return _resolve_draft(get_method(method), target, draft)
+
+
+def _resolve_draft(spec: Method, target: str | Path, draft: str | Path | None) -> Path | None:
+    method = spec.name
     if not spec.draft:
         if draft is not None:
             raise SpeculaError(f"method {method} takes no --draft")
@@ -271,14 +286,13 @@ def resolve_draft(method: str, target: str | Path, draft: str | Path | None) -> 
     return path
 
 
-def profile_options(method: str, measured: dict | None, device: str) -> dict:
-    """Drafter options the hardware profile ``measured`` (None: none) recommends for ``method``, checked like
-    any other."""
-    recommended = profile_defaults(measured, method, device)
-    spec = get_method(method)
+def profile_options(spec: Method, measured: dict | None, device: str) -> dict:
+    """Drafter options the hardware profile ``measured`` (None: none) recommends for ``spec``'s method, coerced
+    like any other (the cross-option rules run once, on the options the drafter will get)."""
+    recommended = profile_defaults(measured, spec.name, device)
     usable = {k: v for k, v in recommended.items() if spec.takes(k)}
     where = f"hardware profile {measured.get('path', '')}: " if measured else ""
-    return check_options(method, usable, where) if usable else {}
+    return _coerce(spec, usable, where) if usable else {}
 
 
 def build_speculator(target: str | Path | Target | None = DEFAULT_TARGET, method: str = "vanilla",
@@ -299,29 +313,31 @@ def build_speculator(target: str | Path | Target | None = DEFAULT_TARGET, method
     """
     if target is None:
         target = DEFAULT_TARGET
+    spec = get_method(method)  # looked up once; everything below takes the Method
     acceptance, drafter_options = AcceptanceOptions.split(options)
-    checked = check_options(method, drafter_options)
+    given = _coerce(spec, drafter_options)
     if isinstance(dtype, str) and dtype != "auto" and dtype not in DTYPES:
         raise SpeculaError(f"unknown dtype '{dtype}'; choose one of auto, {', '.join(DTYPES)}")
-    target_name = target.name if isinstance(target, Target) else model_name(target)
-    resolve_weights(weights)  # an unknown format fails before anything loads
-    if isinstance(target, Target) and weights != "auto" and weights != target.weights:
-        raise SpeculaError(f"the target was loaded with {target.weights} weights; load it again to use {weights}")
     if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2):
         raise SpeculaError(f"max_length must be a whole number >= 2, got {max_length!r}")
-    # A loaded target (bench shares one across methods) remembers the directory it came from.
-    target_path = getattr(target, "path", target.name) if isinstance(target, Target) else target
-    draft_dir = resolve_draft(method, target_path, draft)
+    target_name = target.name if isinstance(target, Target) else model_name(target)
     # Read once: it gives the drafter options it recommends and what --weights auto means.
     measured = None if profile is False else load_profile(target_name, None if profile is True else profile)
-    fmt = resolve_weights(weights, measured, device)  # auto: the format calibration chose (float32 if none)
-    merged = {**profile_options(method, measured, str(device)), **checked}
-    get_method(method).check(merged)
-    if not isinstance(target, Target):
+    options = {**profile_options(spec, measured, str(device)), **given}
+    spec.check(options)  # the cross-option rules, once, on what the drafter gets
+    # A loaded target (bench shares one across methods) remembers the directory it came from.
+    target_path = getattr(target, "path", target.name) if isinstance(target, Target) else target
+    draft_dir = _resolve_draft(spec, target_path, draft)
+    # Resolved once, before anything loads: auto is the format calibration chose (float32 if none).
+    fmt = resolve_weights(weights, measured, device)
+    if isinstance(target, Target):
+        if weights != "auto" and fmt != target.weights:
+            raise SpeculaError(f"the target was loaded with {target.weights} weights; load it again to use {fmt}")
+    else:
         target = Target.load(target, dtype=dtype, device=device, max_length=max_length, weights=fmt)
     if compile:
         target.compile()
-    drafter = get_method(method).build(target, draft_dir, merged, dtype)
+    drafter = spec.build(target, draft_dir, options, dtype)
     return Speculator(target, method, drafter, acceptance.make())
 
 
