@@ -14,7 +14,9 @@ from conftest import STORIES, tiny_model
 
 from specula.kernels import attention, q4_1
 from specula.kernels import float32 as float32_kernel
+from specula.runtime.forward import FeatureRequest
 from specula.runtime.invariance import block_paths, mismatched_rows
+from specula.runtime.packed import Block, forward_packed
 from specula.runtime.quantized_linear import Float32Linear
 from specula.runtime.static_cache import rowwise
 from specula.runtime.target import Target
@@ -71,6 +73,27 @@ def test_block_paths_are_each_rows_ancestors_then_itself():
 def test_stories_verify_rows_equal_one_token_steps(fmt):
     target = Target.load(STORIES, dtype="float32", weights=fmt)
     assert check_target(target, list(range(1, 17)) + [24, 33, 48, 64]) == {}
+
+
+@needs_attention
+@pytest.mark.parametrize("fmt", [format_param(f) for f in ("float32", "q4_1")])
+def test_a_packed_sequences_rows_equal_its_block_alone_and_its_one_token_steps(fmt):
+    """The server's packed step: a sequence's rows must not depend on which other sequences share the step."""
+    base = Target.load(STORIES, dtype="float32", weights=fmt)
+    generator = torch.Generator().manual_seed(1)
+    counts = [1, 64, 4, 16, 5]
+    targets = [base.fork() for _ in counts]
+    for i, target in enumerate(targets):
+        target.prefill(torch.randint(3, base.vocab_size, (20 + 13 * i,), generator=generator))
+    blocks = [Block(torch.randint(3, base.vocab_size, (n,), generator=generator), None, None, FeatureRequest())
+              for n in counts]
+    packed = forward_packed(targets, blocks)
+    for target, block, out in zip(targets, blocks, packed, strict=True):
+        target.commit([])
+        alone = block.run(target).logits
+        target.commit([])
+        assert torch.equal(alone, out.logits)
+        assert mismatched_rows(target, block.tokens) == []
 
 
 @pytest.fixture(scope="module")

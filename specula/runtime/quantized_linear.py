@@ -296,23 +296,17 @@ class BFloat16Linear(nn.Module):
 
 
 class Float32Linear(nn.Linear):
-    """`nn.Linear` (same float32 weight and bias, shared, not copied) with its CPU matmul made row-invariant or laid
-    out for decoding.
+    """`nn.Linear` (same float32 weight and bias, shared, not copied) with a CPU matmul for decoding.
 
-    x [..., K] → [..., N]. On a CPU with AVX2, through `specula.kernels.float32` (every output a fixed sequence of
-    operations on its row, so a k-token verify pass gives each row the bits of a one-token step; MKL's products of
-    1-3, 4-11 and 12+ rows round differently). Measured on this project's AMD EPYC, one thread, 17 SmolLM2-sized
-    weights with the LM head (170 MB), min of 7 interleaved: 1 / 2 / 4 / 8 / 16 / 64 rows 7.9 / 7.9 / 10.1 / 12.5 /
-    18.5 / 51.3 ms, MKL in the columns layout below 7.2 / 6.9 / 7.7 / 16.3 / 28.6 / 66.5 ms.
-    Without the kernel: ``W @ x.T`` instead of ``F.linear``'s ``x @ W.T``, and a one-row input as two equal
-    columns. Why: decoding multiplies 1 to ~64 rows by weights far larger than the caches, and the
-    BLAS reads W at very different rates by layout. Which layout wins depends on the CPU (measured with
-    torch 2.13 / MKL, 2 threads, the 49,152 x 576 LM head, 1 row: AMD EPYC 9.1 ms with ``F.linear``, 5.1 ms
-    here; Intel Xeon with AVX-512 2.65 vs 7.13 ms), so `specula.runtime.weights` swaps it in only where
-    `specula.runtime.float32_layout` measured it faster, and only for weights too large to stay in cache. On the
-    EPYC, the whole SmolLM2-135M forward after 40 tokens: 1 token 54–57 → 47–50 ms, 4 tokens 99–104 →
-    46–50. Same products and sums in float32, possibly in another order (rounding noise, as between any two
-    matmul shapes). Elsewhere (CUDA) it is plain ``F.linear``.
+    On a CPU with AVX2: `specula.kernels.float32`, every output one fixed sequence of operations on its row, so a
+    k-token verify pass gives each row a one-token step's bits (MKL's 1-3, 4-11 and 12+ row products round
+    differently). One thread, 17 SmolLM2-sized weights with the LM head, min of 7 interleaved, AMD EPYC (shared):
+    1 / 2 / 4 / 16 / 64 rows 7.9 / 7.9 / 10.1 / 18.5 / 51.3 ms; MKL's columns layout 7.2 / 6.9 / 7.7 / 28.6 / 66.5.
+    Without it: ``W @ x.T`` (a one-row input as two equal columns) instead of ``F.linear``'s ``x @ W.T``, which
+    reads a large W at another rate by CPU (2 threads, the 49,152 x 576 LM head, 1 row: AMD EPYC 9.1 ms with
+    ``F.linear``, 5.1 ms here; Intel Xeon with AVX-512 2.65 vs 7.13 ms), so `specula.runtime.weights` swaps it in
+    there only where `specula.runtime.float32_layout` measured it faster, and only for weights too large to stay
+    in cache. Elsewhere (CUDA) it is plain ``F.linear``.
     """
 
     @classmethod
@@ -330,7 +324,10 @@ class Float32Linear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         rows = x.reshape(-1, self.in_features)
         kernel = float32_kernel()
-        if kernel is not None and self.weight.is_contiguous():
+        # The kernel has no backward: a trainer that differentiates through the target (Medusa's shared LM head)
+        # takes the BLAS path.
+        differentiated = torch.is_grad_enabled() and (rows.requires_grad or self.weight.requires_grad)
+        if kernel is not None and self.weight.is_contiguous() and not differentiated:
             out = kernel(rows.contiguous(), self.weight)
         else:
             if rows.shape[0] == 1:
