@@ -186,7 +186,7 @@ def test_bad_options_are_one_error_before_anything_loads():
     with pytest.raises(SpeculaError, match="max-match"):
         check_options("suffix", {"max_match": 0})
     with pytest.raises(SpeculaError, match="suffix needs spec_factor"):
-        SuffixDrafter(spec_factor=0.0)
+        check_options("suffix", {"spec_factor": 0})
     with pytest.raises(SpeculaError, match="applies only to method suffix"):
         check_options("pld", {"corpus": True})
 
