@@ -141,5 +141,5 @@ def check_rank_paths(paths: Sequence, label: str = "tree choices") -> list[tuple
         raise SpeculaError(f"{label} lists a path twice")
     orphans = [list(p) for p in found if len(p) > 1 and p[:-1] not in present]
     if orphans:
-        raise SpeculaError(f"{label}: the parent paths of {orphans[:3]} are not listed")
+        raise SpeculaError(f"{label}: paths {orphans[:3]} lack their parent paths")
     return found

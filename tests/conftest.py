@@ -152,8 +152,14 @@ def no_machine_profile(tmp_path_factory):
     """Keep a hardware profile left on this machine by `specula calibrate` from changing test defaults."""
     import os
 
+    from specula.runtime.model_source import cache_dir
+
     previous = os.environ.get("SPECULA_CACHE_DIR")
-    os.environ["SPECULA_CACHE_DIR"] = str(tmp_path_factory.mktemp("specula-cache"))
+    built = cache_dir() / "kernels"  # the kernels install.sh built for this machine: no profile, no rebuild
+    session = tmp_path_factory.mktemp("specula-cache")
+    if built.is_dir():
+        (session / "kernels").symlink_to(built, target_is_directory=True)
+    os.environ["SPECULA_CACHE_DIR"] = str(session)
     yield
     if previous is None:
         os.environ.pop("SPECULA_CACHE_DIR", None)

@@ -98,7 +98,8 @@ def test_capture_during_generation_equals_a_forward_over_the_finished_sequence(c
 
 
 @pytest.mark.skipif(unavailable_reason() is not None, reason="the q4_1 kernel is not built on this machine")
-def test_q4_1_capture_is_near_a_forward_over_the_finished_sequence(tmp_path):
+def test_q4_1_capture_is_near_a_forward_over_the_finished_sequence(smollm2, tmp_path):
+    # (smollm2: the session converts the default GGUF once, in that fixture, which counts the conversion)
     target = Target.load(default_target(), weights="q4_1")
     request = FeatureRequest(final_hidden=True, layer_inputs=(2, 15, 27))
     mix = PromptMix(seed=1, answer_tokens=12, long_tokens=12, document_tokens=12, user_tokens=12)
@@ -187,7 +188,7 @@ def test_generated_data_trains_an_eagle3_head(seeds, tmp_path):
     assert (tmp_path / "head" / "model.safetensors").is_file()
 
 
-def test_smollm2_generated_data_trains_an_eagle3_head_from_the_cli(tmp_path):
+def test_smollm2_generated_data_trains_an_eagle3_head_from_the_cli(smollm2, tmp_path):
     out, data = tmp_path / "head", tmp_path / "data"
     weights = "q4_1" if unavailable_reason() is None else "float32"
     result = subprocess.run(
