@@ -137,22 +137,32 @@ void attend_row(const float* q, const float* keys, const float* values, int64_t 
   const __m256 scale8 = _mm256_set1_ps(scale);
   for (int64_t j = 0; j < count; j += 8) {
     const int64_t take = std::min<int64_t>(8, count - j);
-    alignas(32) float chunk[8];
-    _mm256_store_ps(chunk, _mm256_mul_ps(eight_dots(q, keys, key_stride, slots, j, take, d), scale8));
-    std::copy(chunk, chunk + take, p + j);
+    const __m256 scores = _mm256_mul_ps(eight_dots(q, keys, key_stride, slots, j, take, d), scale8);
+    if (take == 8) {
+      _mm256_storeu_ps(p + j, scores);
+    } else {
+      alignas(32) float chunk[8];
+      _mm256_store_ps(chunk, scores);
+      std::copy(chunk, chunk + take, p + j);
+    }
   }
   float highest = minus_inf;
   for (int64_t j = 0; j < count; ++j) highest = std::max(highest, p[j]);
   const __m256 shift = _mm256_set1_ps(highest);
   __m256 total8 = _mm256_setzero_ps();
-  for (int64_t j = 0; j < count; j += 8) {  // a last partial chunk's missing lanes are exp(-inf) = 0
-    const int64_t take = std::min<int64_t>(8, count - j);
+  int64_t j = 0;
+  for (; j + 8 <= count; j += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + j), shift));
+    _mm256_storeu_ps(p + j, e);
+    total8 = _mm256_add_ps(total8, e);
+  }
+  if (j < count) {  // a last partial chunk: its missing lanes are exp(-inf) = 0
     alignas(32) float chunk[8];
     std::fill(chunk, chunk + 8, minus_inf);
-    std::copy(p + j, p + j + take, chunk);
+    std::copy(p + j, p + count, chunk);
     const __m256 e = exp8(_mm256_sub_ps(_mm256_load_ps(chunk), shift));
     _mm256_store_ps(chunk, e);
-    std::copy(chunk, chunk + take, p + j);
+    std::copy(chunk, chunk + (count - j), p + j);
     total8 = _mm256_add_ps(total8, e);
   }
   alignas(32) float lanes[8];
@@ -212,8 +222,13 @@ at::Tensor cached_attention(const at::Tensor& q, const at::Tensor& keys, const a
       int64_t count = 0;
       for (int64_t j = 0; j < end; ++j)
         if (visible[j]) listed[count++] = static_cast<int32_t>(j);
-      attend_row(q_row, k_head, v_head, keys.stride(2), values.stride(2), ListedSlots{listed.data()}, count, d,
-                 scale_f, p.data(), out_row);
+      if (count > 0 && listed[count - 1] == count - 1) {  // slots 0 .. count - 1 (a chain's row): the same sums
+        attend_row(q_row, k_head, v_head, keys.stride(2), values.stride(2), AllSlots{}, count, d, scale_f, p.data(),
+                   out_row);
+      } else {
+        attend_row(q_row, k_head, v_head, keys.stride(2), values.stride(2), ListedSlots{listed.data()}, count, d,
+                   scale_f, p.data(), out_row);
+      }
     }
   });
   return out;
