@@ -39,6 +39,14 @@ STORY_PROMPTS = [
 ]
 
 
+def copy_dir(source: Path, destination: Path) -> Path:
+    """A writable copy of the model folder ``source`` (a test that damages a model damages its copy)."""
+    shutil.copytree(source, destination)
+    for path in [destination, *destination.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)  # ../shared is read-only
+    return destination
+
+
 @pytest.fixture(scope="session")
 def stories_dir() -> Path:
     return STORIES

@@ -9,14 +9,13 @@ import errno
 import io
 import json
 import math
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, STORIES, write_tiny_gguf
+from conftest import REPO, STORIES, copy_dir, write_tiny_gguf
 from safetensors.torch import load_file, save_file
 
 import specula
@@ -39,13 +38,6 @@ def one_error(capsys, code: int) -> str:
     lines = [line for line in err.splitlines() if line.startswith("specula: error:")]
     assert code == 2 and len(lines) == 1 and "Traceback" not in err, (code, err)
     return lines[0]
-
-
-def copy_dir(source: Path, destination: Path) -> Path:
-    shutil.copytree(source, destination)
-    for path in [destination, *destination.rglob("*")]:
-        path.chmod(0o755 if path.is_dir() else 0o644)  # ../shared is read-only
-    return destination
 
 
 def records_file(path: Path, count: int = 4) -> Path:

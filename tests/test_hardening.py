@@ -11,12 +11,11 @@ import json
 import math
 import os
 import re
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import LLAMA2XS, REPO, STORIES
+from conftest import LLAMA2XS, REPO, STORIES, copy_dir
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -44,13 +43,6 @@ def one_error(capsys, code: int) -> str:
     lines = [line for line in err.splitlines() if line.startswith("specula: error:")]
     assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
     return lines[0]
-
-
-def copy_dir(source: Path, destination: Path) -> Path:
-    shutil.copytree(source, destination)
-    for path in [destination, *destination.rglob("*")]:
-        path.chmod(0o755 if path.is_dir() else 0o644)  # ../shared is read-only
-    return destination
 
 
 def fingerprint(path: Path) -> dict[str, str]:

@@ -17,7 +17,6 @@ when only the samples changed (prompts added to the data), every shard whose own
 
 from __future__ import annotations
 
-import bisect
 import json
 import time
 from collections.abc import Sequence
@@ -30,7 +29,7 @@ from specula.files.outputs import atomic_write, atomic_write_text
 from specula.files.readers import check_safetensors, open_safetensors
 from specula.runtime.target import FeatureRequest, Target
 from specula.training.fingerprints import cache_mismatch, samples_hash, stable_hash, target_fingerprint
-from specula.training.records import Log, TrainingSample
+from specula.training.records import Log, TrainingSample, shard_position
 
 MANIFEST_FILE = "manifest.json"
 FEATURES_VERSION = 2  # 2: shards hold target_top (a cache of version 1 is refused, not misread)
@@ -200,13 +199,8 @@ class CachedFeatures:
         return int(self.manifest["num_samples"])
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        if index < 0:
-            index += len(self)
-        if not 0 <= index < len(self):
-            raise IndexError(f"sample {index} out of range for {len(self)} samples")
-        k = bisect.bisect_right(self._firsts, index) - 1
+        k, local = shard_position(self._firsts, len(self), index)
         handle, offsets = self._shard(k)
-        local = index - self.shards[k]["first"]
         a, b = offsets[local], offsets[local + 1]
         return {name: handle.get_slice(name)[a:b] for name in ("input_ids", "loss_mask", *_feature_names(self.request))}
 

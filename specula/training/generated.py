@@ -37,7 +37,7 @@ from specula.runtime.target import FeatureRequest, Target
 from specula.training.capture import CapturedSample, CaptureEngine
 from specula.training.conversations import Job, JobMaker, PromptMix
 from specula.training.fingerprints import cache_mismatch, stable_hash, target_fingerprint, tokenizer_fingerprint
-from specula.training.records import Log, has_chat_template
+from specula.training.records import Log, has_chat_template, shard_position
 
 RUN_FILE, JOURNAL_FILE, SHARDS = "run.json", "journal.jsonl", "shards"
 DATA_VERSION = 1
@@ -270,13 +270,8 @@ class GeneratedData:
         return self._shard(k)[2][index - self._firsts[k]]
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        if index < 0:
-            index += len(self)
-        if not 0 <= index < len(self):
-            raise IndexError(f"sample {index} out of range for {len(self)} samples")
-        k = bisect.bisect_right(self._firsts, index) - 1
+        k, local = shard_position(self._firsts, len(self), index)
         handle, offsets, _ = self._shard(k)
-        local = index - self._firsts[k]
         a, b = offsets[local], offsets[local + 1]
         ids = handle.get_slice("dist_ids")[a:b].long()
         probs = handle.get_slice("dist_probs")[a:b].float()

@@ -216,3 +216,14 @@ def build_samples(records: Sequence[TrainingRecord], tokenizer, max_length: int 
 
 
 # ----------------------------------------------------------------------------------- self-distillation
+
+
+def shard_position(firsts: list[int], total: int, index: int) -> tuple[int, int]:
+    """(shard, row within it) of sample ``index`` (negative counts from the end) in ``total`` samples stored in
+    shards whose first samples are ``firsts`` (ascending); IndexError outside the samples."""
+    if index < 0:
+        index += total
+    if not 0 <= index < total:
+        raise IndexError(f"sample {index} out of range for {total} samples")
+    k = bisect.bisect_right(firsts, index) - 1
+    return k, index - firsts[k]
