@@ -143,3 +143,8 @@ def test_argparse_is_used_only_in_the_cli_package():
         if "argparse" in names and path.parent.name != "cli":
             users.append(str(path.relative_to(PACKAGE)))
     assert users == []
+
+
+def test_every_module_of_the_package_is_at_most_400_lines():
+    long = sorted(f"{name} ({n})" for name, path in MODULES.items() if (n := len(path.read_text().splitlines())) > 400)
+    assert long == []

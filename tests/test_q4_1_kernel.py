@@ -7,7 +7,8 @@ import torch
 
 from specula.errors import SpeculaError
 from specula.kernels import q4_1
-from specula.runtime.quantized_linear import Q4_1Linear, fuse_outputs, int4_groups
+from specula.runtime.fused_linear import fuse_outputs
+from specula.runtime.quantized_linear import Q4_1Linear, int4_groups
 from specula.runtime.weights import check_available
 
 needs_kernel = pytest.mark.skipif(q4_1.unavailable_reason() is not None,

@@ -19,6 +19,7 @@ from specula.errors import SpeculaError
 from specula.gguf.blocks import blocks_to_groups, llama_row_order
 from specula.kernels import float32 as float32_kernel
 from specula.kernels import q4_1
+from specula.runtime.fused_linear import fuse_outputs
 from specula.runtime.quantized_linear import (
     BFloat16Linear,
     Float32Linear,
@@ -26,7 +27,6 @@ from specula.runtime.quantized_linear import (
     Int8Linear,
     Q4_1Linear,
     dequantized_weight,
-    fuse_outputs,
     int4_groups,
     int8_rows,
 )

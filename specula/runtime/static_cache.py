@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from specula.kernels.attention import kernel as attention_kernel
+from specula.runtime.fused_linear import fuse_outputs
 from specula.runtime.heap import trim_heap
-from specula.runtime.quantized_linear import fuse_outputs
 
 SLOT_STEP = 256  # allocations are whole multiples of this many slots (up to the capacity)
 
