@@ -49,9 +49,10 @@ from specula.options import (
     OptionSpec,
     parse_tree,
 )
+from specula.runtime.loading import DTYPES
 from specula.runtime.model_source import DEFAULT_MODEL, model_name, resolve_model
 from specula.runtime.profile import load_profile, profile_defaults
-from specula.runtime.target import DTYPES, Target
+from specula.runtime.target import Target
 from specula.runtime.weights import resolve_weights
 
 # The bundled heads are package data (specula/heads/bundled/<name>), so a wheel install has them too.

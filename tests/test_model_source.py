@@ -12,6 +12,7 @@ from conftest import STORIES, write_tiny_gguf
 
 from specula.errors import SpeculaError
 from specula.gguf import cache as gguf_cache
+from specula.runtime.loading import check_model_dir
 from specula.runtime.model_source import (
     DEFAULT_GGUF,
     DEFAULT_MODEL,
@@ -22,7 +23,7 @@ from specula.runtime.model_source import (
     resolve_model,
 )
 from specula.runtime.profile import profile_dir
-from specula.runtime.target import Target, check_model_dir
+from specula.runtime.target import Target
 
 
 @pytest.fixture

@@ -32,9 +32,9 @@ from specula.cli.common import (
 from specula.errors import SpeculaError
 from specula.files.outputs import check_output_file
 from specula.methods import DEFAULT_TARGET, METHODS, resolve_draft
+from specula.runtime.loading import check_model_dir
 from specula.runtime.model_source import model_name
 from specula.runtime.profile import all_defaults, load_profile, profile_path, save_profile
-from specula.runtime.target import check_model_dir
 from specula.runtime.weights import resolve_weights
 from specula.sampling import SamplingParams, check_seed
 

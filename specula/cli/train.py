@@ -25,7 +25,8 @@ from specula.heads.formats import load_head
 from specula.heads.ldlp import head_fingerprint
 from specula.heads.medusa_head import MedusaHeads
 from specula.methods import DEFAULT_TARGET
-from specula.runtime.target import FeatureRequest, Target, check_model_dir
+from specula.runtime.loading import check_model_dir
+from specula.runtime.target import FeatureRequest, Target
 from specula.training.eagle3_trainer import (
     DEFAULT_STEPS,
     DRAFT_VOCAB_SIZE,

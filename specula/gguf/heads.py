@@ -50,8 +50,8 @@ from specula.gguf.vocab import add_hf_vocab, copy_gguf_vocab
 from specula.heads.checkpoint import read_config
 from specula.heads.eagle3_head import Eagle3Head
 from specula.heads.formats import load_head
+from specula.runtime.loading import check_model_dir
 from specula.runtime.model_source import DEFAULT_MODEL, default_target
-from specula.runtime.target import check_model_dir
 
 ARCH = "eagle3"
 OUTTYPES = ("auto", "f32", "f16", "bf16")

@@ -25,7 +25,7 @@ from specula.files.readers import open_safetensors, read_json_object
 from specula.heads.checkpoint import load_checked, load_state_dict, read_config, save_checkpoint
 from specula.heads.eagle3_head import ARCHITECTURE, Eagle3Head, default_feature_layers
 from specula.heads.eagle_head import CONFIG_KEYS
-from specula.runtime.target import check_model_dir
+from specula.runtime.loading import check_model_dir
 
 FORMATS = ("eagle3", "speculators")
 SPECULATORS_VERSION = "0.8.1"  # the latest speculators release on PyPI when these field names were checked

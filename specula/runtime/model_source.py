@@ -12,7 +12,7 @@
 - a Hugging Face model id ``org/name``: its snapshot in the local Hugging Face
   cache, offline; specula never downloads.
 
-Anything else comes back unchanged, for `specula.runtime.target.check_model_dir` to report.
+Anything else comes back unchanged, for `specula.runtime.loading.check_model_dir` to report.
 """
 
 from __future__ import annotations

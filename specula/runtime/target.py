@@ -25,13 +25,13 @@ from specula.runtime.forward import (
     LlamaFamilyRuntime,
     hidden_dtype,
 )
-from specula.runtime.loading import DTYPES, check_model_dir, load_converted_lm
+from specula.runtime.loading import load_converted_lm
 from specula.runtime.model_source import gguf_source, model_name
 from specula.runtime.weights import WEIGHT_FORMATS
 
 DEFAULT_MAX_CACHE = 8192
 
-__all__ = ["DTYPES", "FeatureRequest", "ForwardOutput", "Target", "check_model_dir"]
+__all__ = ["FeatureRequest", "ForwardOutput", "Target"]  # the forward's types, as Target's signatures use them
 
 
 class Target:
