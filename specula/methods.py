@@ -49,6 +49,7 @@ from specula.options import (
     OptionSpec,
     parse_tree,
 )
+from specula.runtime.auto_weights import resolve_auto_weights
 from specula.runtime.loading import DTYPES
 from specula.runtime.model_source import DEFAULT_MODEL, model_name, resolve_model
 from specula.runtime.profile import load_profile, profile_defaults
@@ -303,8 +304,8 @@ def build_speculator(target: str | Path | Target | None = DEFAULT_TARGET, method
     """Check everything, then load the target (unless given loaded) and assemble the method.
 
     ``weights``: the format of the target's linear weights (`specula.runtime.weights`: auto, float32, bfloat16,
-    int8, int4, q4_1); heads keep theirs; a draft model's is the sps option ``draft_weights``. A loaded
-    target keeps the format it was loaded with.
+    int8, int4, q4_1; auto as `specula.runtime.auto_weights` decides it for this machine); heads keep theirs; a
+    draft model's is the sps option ``draft_weights``. A loaded target keeps the format it was loaded with.
     ``compile``: run the target's decode and verify steps through `torch.compile` (`Target.compile`).
 
     ``options``: the method's drafter options (see `METHODS`) and the acceptance options
@@ -329,12 +330,13 @@ def build_speculator(target: str | Path | Target | None = DEFAULT_TARGET, method
     # A loaded target (bench shares one across methods) remembers the directory it came from.
     target_path = getattr(target, "path", target.name) if isinstance(target, Target) else target
     draft_dir = _resolve_draft(spec, target_path, draft)
-    # Resolved once, before anything loads: auto is the format calibration chose (float32 if none).
-    fmt = resolve_weights(weights, measured, device)
     if isinstance(target, Target):
+        fmt = resolve_weights(weights)  # auto: the format it was loaded with
         if weights != "auto" and fmt != target.weights:
             raise SpeculaError(f"the target was loaded with {target.weights} weights; load it again to use {fmt}")
     else:
+        # Resolved once, before the target loads: auto is calibration's choice, else this machine's cached one.
+        fmt = resolve_auto_weights(weights, target, device, measured)
         target = Target.load(target, dtype=dtype, device=device, max_length=max_length, weights=fmt)
     if compile:
         target.compile()

@@ -157,7 +157,8 @@ def single_thread():
 
 @pytest.fixture(autouse=True, scope="session")
 def no_machine_profile(tmp_path_factory):
-    """Keep a hardware profile left on this machine by `specula calibrate` from changing test defaults."""
+    """Keep a hardware profile left on this machine by `specula calibrate`, or this machine's choice of what
+    --weights auto means, from changing test defaults."""
     import os
 
     from specula.runtime.model_source import cache_dir
@@ -168,11 +169,16 @@ def no_machine_profile(tmp_path_factory):
     if built.is_dir():
         (session / "kernels").symlink_to(built, target_is_directory=True)
     os.environ["SPECULA_CACHE_DIR"] = str(session)
+    # --weights auto is decided per machine (specula.runtime.auto_weights); the tests expect float32 unless they
+    # ask for a format, and tests/test_auto_weights.py lifts this to test the decision itself.
+    previous_auto = os.environ.get("SPECULA_AUTO_WEIGHTS")
+    os.environ["SPECULA_AUTO_WEIGHTS"] = "float32"
     yield
-    if previous is None:
-        os.environ.pop("SPECULA_CACHE_DIR", None)
-    else:
-        os.environ["SPECULA_CACHE_DIR"] = previous
+    for name, value in (("SPECULA_CACHE_DIR", previous), ("SPECULA_AUTO_WEIGHTS", previous_auto)):
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 # ---------------------------------------------------------------- GGUF files and the default chat model

@@ -14,7 +14,7 @@ import torch
 from specula.errors import SpeculaError
 from specula.methods import METHODS, all_options, methods_taking
 from specula.options import ACCEPTANCE, TYPICAL_ALPHA, TYPICAL_THRESHOLD
-from specula.runtime.weights import AUTO_FORMAT, WEIGHT_FORMATS
+from specula.runtime.weights import WEIGHT_FORMATS
 
 PROG = "specula"
 EXIT_USAGE = 2
@@ -124,9 +124,9 @@ def add_weights_argument(p: argparse.ArgumentParser, default: str | None = "auto
                    help="format of the target's linear weights: int8 and int4 are weight-only quantized (a "
                         "different, smaller model, decoded losslessly); q4_1 is int4's model multiplied as llama.cpp "
                         "does (8-bit activations; a kernel built on this machine, AVX2 CPUs); int4 and q4_1 from a "
-                        "Q4_0/Q4_1 GGUF use the file's own blocks; auto is the format `specula calibrate` measured "
-                        f"fastest among the lossless ones on this machine ({AUTO_FORMAT} until it has run) "
-                        "(default: auto)")
+                        "Q4_0/Q4_1 GGUF use the file's own blocks; auto is the format `specula calibrate` chose here, "
+                        "else q4_1 where its kernel runs, else the fastest of int4, int8 and float32, timed "
+                        "once per machine and target and cached (default: auto)")
 
 
 COMPILE_HELP = ("compile the target's decode and verify steps with torch.compile (Llama-family targets): "
