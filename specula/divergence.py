@@ -21,6 +21,14 @@ its logits are themselves rounded to bfloat16). The tolerance is
 i.e. bfloat16 3.1e-2, float16 3.9e-3 and float32 1e-4 of the logit scale. The float32 floor leaves two
 orders of magnitude above the noise measured on small models, for deeper and wider targets whose
 reductions reorder over more terms; typical top-2 margins are O(1) logits, so a real bug stays visible.
+
+Row invariance. Where the target's verify pass is row-invariant (`specula.runtime.invariance`: the CPU kernels
+in float32, int8, int4 and q4_1 give each row of a k-token block the bits of one-token steps), the two
+computations are the same and no rounding separates them: the outputs must be bit-identical. `check_greedy`
+probes that on the target itself (`probe_row_invariance`) rather than assume it from the format, and where it
+holds judges every divergence with tolerance 0 (only an exact tie of the two logits is excused); the near-tie
+allowance is kept for setups where the probe finds rows that differ (e.g. a GPU, or formats without the
+invariant kernels), and the result says which applied.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from specula.decoding import GenerationStats
+from specula.runtime.invariance import mismatched_rows
 from specula.runtime.target import Target
 
 ULPS = 4
@@ -93,15 +102,16 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 
 def classify(logits: torch.Tensor, vanilla_token: int | None, method_token: int | None,
-             dtype: torch.dtype) -> tuple[float, float, float, str]:
+             dtype: torch.dtype, invariant: bool = False) -> tuple[float, float, float, str]:
     """(margin, gap, tolerance, kind) from the target's logits [V] at the divergence. Pure: no model.
 
     A side whose output ended before the other's (token None) is a real divergence: no tie explains it.
+    ``invariant``: the verify pass computes vanilla's very bits, so the tolerance is 0 (an exact tie only).
     """
     row = logits.double()
     top = torch.topk(row, 2).values
     margin = float(top[0] - top[1])
-    tolerance = relative_tolerance(dtype) * float(row.abs().max())
+    tolerance = 0.0 if invariant else relative_tolerance(dtype) * float(row.abs().max())
     if method_token is None or vanilla_token is None:
         return margin, float("inf"), tolerance, REAL
     gap = float(row[vanilla_token] - row[method_token])
@@ -120,7 +130,7 @@ def _row_logits(target: Target, context: torch.Tensor, width: int, row: int) -> 
 
 
 def explain(target: Target, prompt: torch.Tensor, vanilla: list[int], method: list[int],
-            verify_block: tuple[int, int] | None = None) -> Divergence | None:
+            verify_block: tuple[int, int] | None = None, invariant: bool = False) -> Divergence | None:
     """Judge the first divergence of ``method``'s new tokens from ``vanilla``'s (None if they are equal).
 
     ``prompt`` int64 [P]. The target's logits are recomputed for vanilla's prefix as vanilla computed
@@ -128,7 +138,7 @@ def explain(target: Target, prompt: torch.Tensor, vanilla: list[int], method: li
     the verify pass that produced the divergent token began at new-token index ``start`` − 1 (its root)
     and ran ``width`` tokens; the same row is recomputed in that shape, filling the block with vanilla's
     later tokens (causally invisible to the row, they only reproduce the matrix shape). The target's
-    cache is reset: call this between generations, not during one.
+    cache is reset: call this between generations, not during one. ``invariant``: see `classify`.
     """
     position = first_difference(vanilla, method)
     if position is None:
@@ -140,7 +150,8 @@ def explain(target: Target, prompt: torch.Tensor, vanilla: list[int], method: li
         one_step = _row_logits(target, context, len(context) if position == 0 else 1, -1)
         vanilla_token = vanilla[position] if position < len(vanilla) else None
         method_token = method[position] if position < len(method) else None
-        margin, gap, tolerance, kind = classify(one_step, vanilla_token, method_token, compute_dtype(target))
+        margin, gap, tolerance, kind = classify(one_step, vanilla_token, method_token, compute_dtype(target),
+                                                invariant)
         result = Divergence(position, vanilla_token, method_token, margin, gap, tolerance, kind)
         if verify_block is not None and position > 0:
             start, width = verify_block
@@ -170,6 +181,13 @@ class GreedyResult:
     accepted: int
     relative_tolerance: float
     divergences: list[tuple[int, Divergence]] = field(default_factory=list)  # (prompt index, divergence)
+    # `probe_row_invariance` on this target: block -> its rows that differ from one-token steps ({} = invariant)
+    mismatched: dict[str, list[int]] = field(default_factory=dict)
+
+    @property
+    def row_invariant(self) -> bool:
+        """Whether the probe found every verify row bit-equal to one-token steps (divergences then have tolerance 0)."""
+        return not self.mismatched
 
     def count(self, kind: str) -> int:
         return sum(d.kind == kind for _, d in self.divergences)
@@ -177,8 +195,9 @@ class GreedyResult:
     def as_dict(self) -> dict:
         return {"prompts": self.prompts, "max_new_tokens": self.max_new_tokens, "identical": self.identical,
                 "compared_tokens": self.compared_tokens, "drafted": self.drafted, "accepted": self.accepted,
-                "relative_tolerance": self.relative_tolerance, "near_ties": self.count(NEAR_TIE),
-                "real": self.count(REAL),
+                "relative_tolerance": 0.0 if self.row_invariant else self.relative_tolerance,
+                "row_invariant": self.row_invariant, "mismatched_probe_rows": self.mismatched,
+                "near_ties": self.count(NEAR_TIE), "real": self.count(REAL),
                 "divergences": [{"prompt": i, **d.as_dict()} for i, d in self.divergences]}
 
 
@@ -192,12 +211,48 @@ def _verify_block(stats: GenerationStats, position: int) -> tuple[int, int] | No
     return None
 
 
+PROBE_CHAIN = 8
+PROBE_TREE = [-1, 0, 0, 1, 1, 2, 4, 3]  # each node's parent: a root, two children, four grandchildren, one below
+
+
+def _tree_block(parents: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """(ancestor mask bool [n, n], depths [n]) of a tree given each node's parent (-1: the root)."""
+    mask, depths = torch.eye(len(parents), dtype=torch.bool), []
+    for i, parent in enumerate(parents):
+        if parent >= 0:
+            mask[i] |= mask[parent]
+        depths.append(0 if parent < 0 else depths[parent] + 1)
+    return mask, depths
+
+
+@torch.no_grad()
+def probe_row_invariance(target: Target, prompt: torch.Tensor, continuation: list[int]) -> dict[str, list[int]]:
+    """{block: rows whose logits are not bit-equal to one-token steps over the same tokens} after ``prompt`` [P],
+    for a chain of ``continuation``'s first tokens and a tree of them (`specula.runtime.invariance`); {} when the
+    verify pass is row-invariant here. Measured, not assumed from the format: kernels and devices decide it."""
+    room = target.max_length - int(prompt.numel())
+    tokens = (list(continuation) + prompt.tolist() * PROBE_CHAIN)[:min(PROBE_CHAIN, room)]
+    found = {}
+    target.prefill(prompt.to(target.device))
+    chain = torch.tensor(tokens, dtype=torch.long, device=target.device)
+    found[f"chain of {len(tokens)}"] = mismatched_rows(target, chain)
+    if len(tokens) >= len(PROBE_TREE):
+        mask, depths = _tree_block(PROBE_TREE)
+        found[f"tree of {len(PROBE_TREE)}"] = mismatched_rows(target, chain[:len(PROBE_TREE)],
+                                                              mask.to(target.device), depths)
+    target.reset()
+    return {block: rows for block, rows in found.items() if rows}
+
+
 def check_greedy(speculator, vanilla, prompts: list[torch.Tensor], max_new_tokens: int) -> GreedyResult:
-    """Part 1: the method against vanilla at T = 0, every divergence explained."""
+    """Part 1: the method against vanilla at T = 0, every divergence explained (with tolerance 0 where the probe
+    finds the verify pass row-invariant)."""
     target = speculator.target
     result = GreedyResult(len(prompts), max_new_tokens, 0, 0, 0, 0, relative_tolerance(compute_dtype(target)))
     for index, ids in enumerate(prompts):
         expected = vanilla.generate(ids, max_new_tokens).token_ids
+        if index == 0:
+            result.mismatched = probe_row_invariance(target, ids, expected)
         run = speculator.generate(ids, max_new_tokens)
         result.drafted += sum(run.stats.tree_sizes)
         result.accepted += sum(run.stats.accepted_lengths)
@@ -206,7 +261,8 @@ def check_greedy(speculator, vanilla, prompts: list[torch.Tensor], max_new_token
             result.identical += 1
             result.compared_tokens += len(expected)
             continue
-        divergence = explain(target, ids, expected, run.token_ids, _verify_block(run.stats, position))
+        divergence = explain(target, ids, expected, run.token_ids, _verify_block(run.stats, position),
+                             result.row_invariant)
         for side, token in (("vanilla_text", divergence.vanilla_token), ("method_text", divergence.method_token)):
             setattr(divergence, side, None if token is None else speculator.tokenizer.convert_ids_to_tokens(token))
         result.compared_tokens += divergence.position + 1

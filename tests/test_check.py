@@ -1,15 +1,18 @@
 """`specula check`: correct methods are certified, planted bugs are NOT lossless, and the check can fail.
 
 Every sampled run is seeded, so each outcome is deterministic on a given machine. Margins: the
-correct methods' combined p-values are far above alpha = 1e-3 and their power controls far below it
-(likelihood z of 5 to 7). The planted T > 0 bugs run with as few samples as keeps them clearly
+correct methods' combined p-values are far above alpha = 1e-3 and their power controls (distorted by the
+0.1 TV the check plans for) far below it. The planted T > 0 bugs run with as few samples as keeps them clearly
 rejected: the off-by-one residual has |z| > 20 with 150 samples per prompt, the hot draft about 6.6
-with 200, the bonus from the draft about 6.5 with 400 (|z| > 3.5 rejects).
+with 200, the bonus from the draft about 6.5 with 400 (|z| > 3.5 rejects); the plan may add samples.
+Typical acceptance, tests at the end: refused as lossy by construction, and rejected by the test itself when
+the registry's flag is removed.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -65,30 +68,39 @@ def certified(speculators, reports: dict, method: str):
 @pytest.mark.parametrize("method", ["sps", "pld", "eagle2"])
 def test_correct_method_is_certified_and_its_power_control_rejects(speculators, certified_reports, method):
     report = certified(speculators, certified_reports, method)
-    assert report.verdict == "certified lossless", report.table()
+    assert report.verdict.startswith("certified lossless — "), report.table()
     assert report.exit_code == EXIT_CERTIFIED
     s = report.sampling
     # Non-vacuous: speculation really happened in both parts (pld accepts least: about 1 draft in 8 runs).
     assert report.greedy.accepted > 0 and s.accepted > s.method.samples // 20
     assert s.method.p_value >= s.alpha
-    # The same test on the planted error (target judged at 1.1 T) rejects: the check could have failed.
-    assert s.control.p_value < s.alpha, report.table()
+    # The same test on the planted error (a known 0.1 TV distortion) rejects: the check could have failed.
+    assert s.control.p_value < s.alpha and s.control_tv == pytest.approx(0.1, abs=1e-3), report.table()
+    assert s.powered and s.detectable_tv <= s.target_tv == 0.1 and s.samples_per_prefix >= 300
+    # T=0 on a row-invariant target: identical, not "within tolerance".
+    assert report.greedy.row_invariant and report.greedy.identical == 2
+    assert "2/2 identical" in report.verdict and "verify rows bit-equal" in report.table()
 
 
 def test_json_report_follows_the_documented_schema(speculators, certified_reports):
     data = json.loads(json.dumps(certified(speculators, certified_reports, "sps").as_dict()))
-    assert data["schema"] == SCHEMA and data["status"] == "certified" and data["exit_code"] == 0
-    assert data["verdict"] == "certified lossless"
-    assert {"target", "method", "draft", "dtype", "device", "seconds"} <= set(data)
+    assert data["schema"] == SCHEMA == "specula.check/2" and data["status"] == "certified" and data["exit_code"] == 0
+    assert data["verdict"].startswith("certified lossless — ") and data["lossy_by_construction"] is None
+    assert {"target", "method", "draft", "dtype", "device", "seconds", "temperature"} <= set(data)
     greedy = data["greedy"]
     assert set(greedy) == {"prompts", "max_new_tokens", "identical", "compared_tokens", "drafted", "accepted",
-                           "relative_tolerance", "near_ties", "real", "divergences"}
-    assert greedy["prompts"] == 2 and greedy["relative_tolerance"] == pytest.approx(1e-4)
+                           "relative_tolerance", "row_invariant", "mismatched_probe_rows", "near_ties", "real",
+                           "divergences"}
+    # Row-invariant here: no near-tie allowance.
+    assert greedy["prompts"] == 2 and greedy["row_invariant"] and greedy["relative_tolerance"] == 0.0
     sampling = data["sampling"]
     fit_keys = {"samples", "p_value", "likelihood_z", "p_likelihood", "chi2", "chi2_df", "p_chi2",
                 "impossible_tokens"}
-    assert set(sampling["method"]) == fit_keys and set(sampling["control"]) == fit_keys | {"description"}
-    assert sampling["method"]["samples"] == sampling["prefixes"] * sampling["samples_per_prefix"] == 600
+    assert set(sampling["method"]) == fit_keys
+    assert set(sampling["control"]) == fit_keys | {"description", "factor", "tv"}
+    assert set(sampling["power"]) == {"target_tv", "detectable_tv", "power", "max_samples"}
+    assert sampling["power"]["detectable_tv"] <= sampling["power"]["target_tv"] == 0.1
+    assert sampling["method"]["samples"] == sampling["prefixes"] * sampling["samples_per_prefix"] >= 600
     assert sampling["tokens"] == 4 and sampling["temperature"] == 1.0
 
 
@@ -191,7 +203,7 @@ def test_constructed_near_tie_is_explained_and_certified():
     for _, divergence in report.greedy.divergences:
         assert divergence.kind == NEAR_TIE and abs(divergence.gap) <= divergence.tolerance
         assert {divergence.vanilla_token, divergence.method_token} == {frequent, target.vocab_size - 1}
-    assert report.verdict == "certified lossless" and report.exit_code == EXIT_CERTIFIED
+    assert report.verdict.startswith("certified lossless at T=0 — ") and report.exit_code == EXIT_CERTIFIED
     assert "near-tie" in report.table()
 
 
@@ -214,10 +226,25 @@ def test_classifier_uses_the_dtype_tolerance_on_the_logit_scale():
 
 
 def test_too_few_samples_are_inconclusive_not_certified(speculators):
-    report = specula.check(speculator=speculators["pld"], samples=10, prefixes=1, tokens=2, **QUICK)
-    assert report.sampling.control.p_value >= report.sampling.alpha
+    # Capped at 10 samples, the test cannot reach the 0.1 TV it must detect: inconclusive, whatever it saw.
+    report = specula.check(speculator=speculators["pld"], samples=10, max_samples=10, prefixes=1, tokens=2, **QUICK)
+    s = report.sampling
+    assert s.samples_per_prefix == 10 and not s.powered and s.detectable_tv > s.target_tv
     assert report.status == "inconclusive" and report.exit_code == EXIT_INCONCLUSIVE
-    assert report.verdict.startswith("inconclusive: the test could not detect a planted error with 10 samples")
+    assert report.verdict.startswith("inconclusive: with 10 samples per prompt (--max-samples 10) the test detects "
+                                     f"only distortions >= {s.detectable_tv:.3g} TV, not the 0.1 asked for")
+    assert "certified" not in report.verdict and f"detects distortions >= {s.detectable_tv:.3g} TV" in report.verdict
+
+
+def test_an_undetected_control_is_inconclusive(speculators, monkeypatch):
+    # A control whose distortion is too small to see (f = 1.0001) leaves the test unproven: never certified.
+    import specula.certify.sampled as sampled
+
+    monkeypatch.setattr(sampled, "control_factor", lambda rows_and_cells, tv: (1.0001, 1e-5))
+    report = specula.check(speculator=speculators["pld"], samples=100, max_samples=100, prefixes=1, tokens=2,
+                           tv=0.3, **QUICK)
+    assert report.sampling.powered and report.sampling.control.p_value >= report.sampling.alpha, report.table()
+    assert report.status == "inconclusive" and "the test did not detect the control" in report.verdict
 
 
 def test_chi_square_pools_the_tail_and_matches_the_reference_distribution():
@@ -237,7 +264,8 @@ def test_cli_json_exit_code_and_bad_input(tmp_path, capsys):
     assert main(["check", "--target", str(STORIES), "--method", "pld", "--dtype", "float32", "--n", "1",
                  "--max-new-tokens", "16", "--temperature", "0", "--no-profile", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["verdict"] == "certified lossless" and data["sampling"] is None and data["greedy"]["prompts"] == 1
+    assert data["verdict"].startswith("certified lossless at T=0 — T=0: 1/1 identical; T>0: not tested")
+    assert data["sampling"] is None and data["greedy"]["prompts"] == 1
 
     bad_file = tmp_path / "prompts.jsonl"
     bad_file.write_text('{"prompt": "ok"}\n{"text": "no prompt"}\n')
@@ -245,6 +273,7 @@ def test_cli_json_exit_code_and_bad_input(tmp_path, capsys):
                  ["--target", str(tmp_path), "--method", "pld"],     # not a model directory
                  ["--method", "pld", "--prompts", str(bad_file)],    # a record without a prompt
                  ["--method", "pld", "--samples", "5"],              # too few samples for any test
+                 ["--method", "pld", "--tv", "0"],                   # no distortion to detect
                  ["--method", "sps"],                                # sps without --draft
                  ["--target", str(STORIES)]):                        # no --method
         argv = argv if "--target" in argv else ["--target", str(STORIES), *argv]
@@ -297,3 +326,66 @@ def test_prompts_go_through_the_chat_template_when_the_tokenizer_has_one(specula
     path = tmp_path / "prompts.jsonl"
     path.write_text('{"prompt": "one"}\n\n{"prompt": "two", "id": 2}\n')
     assert read_prompts(path) == ["one", "two"]
+
+
+# ---------------------------------------------------------------- typical acceptance: lossy, never certified
+
+MEDUSA_HEAD = Path(specula.__file__).parent / "heads" / "bundled" / "medusa-stories260k"
+POWER_STATEMENT = re.compile(r"T=1: detects distortions >= 0\.\d+ TV with power 0\.8 \(\d+ samples x 2 prompts\)")
+
+
+@pytest.fixture(scope="module")
+def typical():
+    return specula.load(STORIES, "medusa", draft=MEDUSA_HEAD, dtype="float32", profile=False, acceptance="typical")
+
+
+def test_typical_acceptance_is_lossy_by_construction_and_never_sampled(typical):
+    report = specula.check(speculator=typical, n=1, max_new_tokens=8, temperature=1.0)
+    assert report.status == "not_lossless" and report.exit_code == EXIT_NOT_LOSSLESS
+    assert report.sampling is None and report.lossy == "typical acceptance"
+    assert report.verdict.startswith("NOT lossless: typical acceptance is lossy by construction at T=1")
+    assert "certified" not in report.verdict and "T=1: not sampled, lossy by construction" in report.verdict
+    assert json.loads(json.dumps(report.as_dict()))["lossy_by_construction"] == "typical acceptance"
+    # At T=0 typical acceptance is greedy matching: nothing lossy to say.
+    greedy = specula.check(speculator=typical, temperature=0.0, **QUICK)
+    assert greedy.status == "certified" and greedy.lossy is None
+
+
+def test_typical_acceptance_without_its_flag_is_rejected_by_the_test(typical, monkeypatch):
+    # Pretend the registry did not know: the distribution test itself must find typical acceptance's distortion.
+    from specula.acceptance_typical import TypicalAcceptor
+
+    monkeypatch.setattr(TypicalAcceptor, "lossless", True)
+    report = specula.check(speculator=typical, n=1, max_new_tokens=8, temperature=1.0)
+    s = report.sampling
+    assert report.lossy is None and s is not None and s.powered and s.control.p_value < s.alpha
+    assert report.status == "not_lossless" and s.method.p_value < s.alpha, report.table()
+    assert report.verdict.startswith("NOT lossless: at T=1 the output is not distributed as the target's")
+    assert POWER_STATEMENT.search(report.verdict), report.verdict
+
+
+def test_every_sampled_verdict_states_the_distortion_it_detects(speculators, certified_reports):
+    report = certified(speculators, certified_reports, "pld")
+    assert POWER_STATEMENT.search(report.verdict), report.verdict
+    assert f"any distortion >= {report.sampling.detectable_tv:.3g} TV" in report.table()
+
+
+def test_cli_refuses_to_certify_typical_acceptance(capsys):
+    code = main(["check", "--target", str(STORIES), "--method", "medusa", "--draft", str(MEDUSA_HEAD),
+                 "--acceptance", "typical", "--temperature", "1", "--dtype", "float32", "--n", "1",
+                 "--max-new-tokens", "8", "--no-profile"])
+    out = capsys.readouterr().out
+    assert code == EXIT_NOT_LOSSLESS and "verdict: NOT lossless: typical acceptance is lossy by construction" in out
+    assert "certified" not in out
+
+
+def test_greedy_part_says_where_the_verify_pass_is_not_row_invariant(speculators, monkeypatch):
+    # Where the probe finds a verify row that differs from its one-token steps (e.g. a GPU without the invariant
+    # kernels), divergences within the dtype's rounding are near-ties, and the report says that rule applied.
+    import specula.divergence as divergence
+
+    monkeypatch.setattr(divergence, "mismatched_rows", lambda target, tokens, *rest: [1])
+    report = specula.check(speculator=speculators["pld"], temperature=0.0, **QUICK)
+    assert not report.greedy.row_invariant and report.greedy.relative_tolerance == pytest.approx(1e-4)
+    assert "verify rows NOT bit-equal to one-token steps here (probed: chain of 8 rows [1]" in report.table()
+    assert "(verify rows not bit-equal here: near-ties allowed)" in report.verdict

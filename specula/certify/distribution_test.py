@@ -111,21 +111,31 @@ def likely_sequences(exact: ExactDistribution, length: int, threshold: float) ->
     return prefixes
 
 
+def tested_cells(cells: dict[tuple[int, ...], float], n: int) -> dict[tuple[int, ...], float]:
+    """The cells the chi-square of ``n`` samples tests besides the tail: ``cells``, less the smallest when the
+    tail's expected count is below MIN_EXPECTED (that cell joins the tail)."""
+    if cells and n * max(1.0 - sum(cells.values()), 0.0) < MIN_EXPECTED:
+        smallest = min(cells, key=cells.get)
+        return {key: prob for key, prob in cells.items() if key != smallest}
+    return dict(cells)
+
+
+def chi_square_df(cells: dict[tuple[int, ...], float], n: int) -> int:
+    """The degrees of freedom of `chi_square` for ``n`` samples against ``cells``: its cells and tail, less one."""
+    return len(tested_cells(cells, n))
+
+
 def chi_square(counts: Counter, cells: dict[tuple[int, ...], float]) -> tuple[float, int]:
     """(statistic, degrees of freedom) of ``counts`` against ``cells`` + one tail cell (df 0: no test).
 
     ``cells``: sequence -> exact probability, chosen before sampling. A tail expected below MIN_EXPECTED
-    is merged with the smallest cell.
+    is merged with the smallest cell (`tested_cells`).
     """
     n = sum(counts.values())
-    expected = {key: n * prob for key, prob in cells.items()}
-    observed = {key: counts.get(key, 0) for key in cells}
+    expected = {key: n * prob for key, prob in tested_cells(cells, n).items()}
+    observed = {key: counts.get(key, 0) for key in expected}
     tail_expected = max(n - sum(expected.values()), 0.0)
     tail_observed = n - sum(observed.values())
-    if tail_expected < MIN_EXPECTED and expected:
-        smallest = min(expected, key=expected.get)
-        tail_expected += expected.pop(smallest)
-        tail_observed += observed.pop(smallest)
     pairs = [(observed[k], expected[k]) for k in expected] + [(tail_observed, tail_expected)]
     if len(pairs) < 2:
         return 0.0, 0

@@ -27,11 +27,16 @@ class ExactDistribution:
     """
 
     def __init__(self, target, prompt: torch.Tensor, params: SamplingParams):
-        self.target, self.params = target, params
+        self.target, self.params, self.prompt = target, params, prompt
         self.prompt_length = int(prompt.numel())
         logits = target.prefill(prompt.to(target.device)).logits[-1]
         self.rows: dict[tuple[int, ...], torch.Tensor] = {(): probabilities(logits, params)}
         self.forwards = 1
+
+    def reattach(self) -> None:
+        """Prefill the prompt again, after other work used the target's cache (the rows computed are kept)."""
+        self.target.prefill(self.prompt.to(self.target.device))
+        self.forwards += 1
 
     def __getitem__(self, prefix: tuple[int, ...]) -> torch.Tensor:
         """The distribution after ``prompt + prefix``: [V] float32 (KeyError unless computed by `compute`)."""
