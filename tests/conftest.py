@@ -157,8 +157,8 @@ def single_thread():
 
 @pytest.fixture(autouse=True, scope="session")
 def no_machine_profile(tmp_path_factory):
-    """Keep a hardware profile left on this machine by `specula calibrate`, or this machine's choice of what
-    --weights auto means, from changing test defaults."""
+    """Keep a hardware profile left on this machine by `specula calibrate`, this machine's choice of what
+    --weights auto means, or a conversion kept from an earlier load from changing test defaults."""
     import os
 
     from specula.runtime.model_source import cache_dir
@@ -170,11 +170,13 @@ def no_machine_profile(tmp_path_factory):
         (session / "kernels").symlink_to(built, target_is_directory=True)
     os.environ["SPECULA_CACHE_DIR"] = str(session)
     # --weights auto is decided per machine (specula.runtime.auto_weights); the tests expect float32 unless they
-    # ask for a format, and tests/test_auto_weights.py lifts this to test the decision itself.
-    previous_auto = os.environ.get("SPECULA_AUTO_WEIGHTS")
-    os.environ["SPECULA_AUTO_WEIGHTS"] = "float32"
+    # ask for a format, and tests/test_auto_weights.py lifts this to test the decision itself. Every quantized load
+    # converts (tests/test_converted_cache.py tests reading a kept conversion back).
+    pinned = {"SPECULA_AUTO_WEIGHTS": "float32", "SPECULA_CONVERTED_CACHE": "0"}
+    previous_pinned = {name: os.environ.get(name) for name in pinned}
+    os.environ.update(pinned)
     yield
-    for name, value in (("SPECULA_CACHE_DIR", previous), ("SPECULA_AUTO_WEIGHTS", previous_auto)):
+    for name, value in (("SPECULA_CACHE_DIR", previous), *previous_pinned.items()):
         if value is None:
             os.environ.pop(name, None)
         else:

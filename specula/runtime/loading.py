@@ -13,8 +13,9 @@ import torch
 
 from specula.errors import SpeculaError
 from specula.files.readers import check_fields, check_safetensors, expect_object, open_safetensors
+from specula.runtime import converted_cache
 from specula.runtime.forward import LLAMA_FAMILY
-from specula.runtime.model_source import resolve_model
+from specula.runtime.model_source import model_name, resolve_model
 from specula.runtime.streamed_load import load_converted
 from specula.runtime.weights import quantize_linear_weights
 
@@ -104,8 +105,14 @@ def load_converted_lm(path: str | Path, dtype: str | torch.dtype = "auto", devic
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()  # a per-tensor bar for a local load is noise
     converted = None
+    # A quantized model converted by an earlier load is mapped back in (`specula.runtime.converted_cache`).
+    kept = converted_cache.entry_path(model_dir, model_name(path), weights, torch_dtype, gguf_file) if (
+        converted_cache.enabled(weights, device)) else None
     try:
-        if weights != "float32" and config.model_type in LLAMA_FAMILY and torch.device(device).type == "cpu":
+        cached = converted_cache.load(kept) if kept is not None else None
+        if cached is not None:
+            converted = cached
+        elif weights != "float32" and config.model_type in LLAMA_FAMILY and torch.device(device).type == "cpu":
             converted = load_converted(model_dir, config, torch_dtype, weights, gguf_file)
         if converted is None:
             # Mismatched shapes are loaded as reinitialised and reported, so that they are refused below by name.
@@ -133,6 +140,8 @@ def load_converted_lm(path: str | Path, dtype: str | torch.dtype = "auto", devic
     model.requires_grad_(False)
     if converted is None:
         report = quantize_linear_weights(model, weights, lm_head=True, gguf_file=gguf_file)
+    if kept is not None and cached is None:
+        converted_cache.save(kept, model, report)
     return model, tokenizer, report
 
 

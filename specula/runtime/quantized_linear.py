@@ -262,6 +262,15 @@ class Q4_1Linear(_KernelLinear):
     def from_linear(cls, linear: nn.Linear) -> Q4_1Linear:
         return cls(int4_groups(linear.weight), linear.bias)
 
+    def __getstate__(self) -> dict:
+        # The op is a handle into the loaded extension, not data: a saved converted model
+        # (`specula.runtime.converted_cache`) looks it up again when it is read.
+        return {name: value for name, value in self.__dict__.items() if name != "_op"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._op = q4_1.load()
+
     input_dtype = torch.float32  # the kernel rounds the inputs itself
 
     def kernel(self, rows: torch.Tensor) -> torch.Tensor:
