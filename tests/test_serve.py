@@ -598,6 +598,28 @@ def test_a_body_shorter_than_its_content_length_is_a_client_error_not_a_500(serv
         assert http.post("/v1/completions", json=COMPLETION).status_code == 200
 
 
+def test_a_client_that_drips_its_body_is_timed_out_as_a_client_error_while_others_are_served():
+    import socket
+
+    app = create_app(load(), ServeSettings(body_timeout_s=1.0))
+    with running_server(app) as server, socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100000\r\n\r\n{\"model\": \"stories")
+        with http_for(server) as http:  # served while the slow client holds its connection open
+            assert http.post("/v1/completions", json=COMPLETION).status_code == 200
+        sock.settimeout(0.25)
+        reply, deadline = b"", time.monotonic() + WAIT_S
+        while not reply and time.monotonic() < deadline:  # a byte at a time, never the whole body
+            try:
+                reply = sock.recv(4096)
+            except TimeoutError:
+                sock.sendall(b" ")
+        assert reply.startswith(b"HTTP/1.1 408"), reply
+        statuses = {dict(labels)["status"]: v for (name, labels), v in metric_samples(server).items()
+                    if name == "specula_requests_total" and dict(labels).get("endpoint") == "/v1/completions"}
+        assert statuses.get("408") == 1 and "500" not in statuses, statuses
+
+
 def test_serve_refuses_a_port_in_use_before_loading(monkeypatch, capsys):
     import socket
 

@@ -21,14 +21,14 @@ import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from specula.errors import SpeculaError
 from specula.sampling import SamplingParams, check_seed
+from specula.serve.body import read_body
 from specula.serve.budget import DEFAULT_MAX_BATCH, DraftBudget
 from specula.serve.engine import BatchedEngine
-from specula.serve.errors import CLIENT_CLOSED, APIError, bad_request
+from specula.serve.errors import APIError, bad_request
 from specula.serve.metrics import ServerMetrics
 from specula.serve.prompt_bound import ThreadTokenizers, fewest_tokens, max_token_bytes
 from specula.serve.requests import (
@@ -68,6 +68,7 @@ class ServeSettings:
     verify_curve: dict[int, float] | None = None  # {tokens: seconds per forward} (calibrate's); None: measured
     retry_after_s: int = 1
     max_body_bytes: int = 8 * 2**20
+    body_timeout_s: float = 30.0  # a body not whole by then is a 408: a slow or stalled client holds no slot forever
 
 
 @dataclass
@@ -176,7 +177,8 @@ def create_app(speculator_or_factory, settings: ServeSettings | None = None,
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         admit(state, request)
-        body = parse_request(ChatCompletionRequest, await read_body(request, settings.max_body_bytes))
+        raw = await read_body(request, settings.max_body_bytes, settings.body_timeout_s)
+        body = parse_request(ChatCompletionRequest, raw)
         if not body.messages:
             raise bad_request("messages must be a non-empty list", param="messages")
         check_request(state, body)
@@ -188,7 +190,8 @@ def create_app(speculator_or_factory, settings: ServeSettings | None = None,
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         admit(state, request)
-        body = parse_request(CompletionRequest, await read_body(request, settings.max_body_bytes))
+        raw = await read_body(request, settings.max_body_bytes, settings.body_timeout_s)
+        body = parse_request(CompletionRequest, raw)
         check_request(state, body)
         prompt = unsupported_completion_fields(body)
         if isinstance(prompt, str):
@@ -213,24 +216,6 @@ def admit(state: ServerState, request: Request) -> None:
     if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
         raise APIError(401, "missing or incorrect API key: send 'Authorization: Bearer <key>'",
                        type="invalid_request_error", code="invalid_api_key")
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The raw body, refused past ``limit`` bytes (413) before it is all read."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
-    parts, size = [], 0
-    try:
-        async for part in request.stream():
-            size += len(part)
-            if size > limit:
-                raise APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
-            parts.append(part)
-    except ClientDisconnect:  # the client left before its whole body came (e.g. fewer bytes than Content-Length)
-        raise APIError(CLIENT_CLOSED, "the client disconnected before sending the whole request body",
-                       code="client_closed_request") from None
-    return b"".join(parts)
 
 
 def unsupported_completion_fields(body: CompletionRequest) -> str | list[int]:
