@@ -18,7 +18,7 @@ from specula.bench.calibrate import CalibrationOptions, calibrate, format_report
 from specula.bench.config import method_specs, parse_option, read_config
 from specula.bench.llama_server import LlamaServerNotInstalled, find_llama_server
 from specula.bench.questions import load_questions, read_questions
-from specula.bench.suite import BenchSettings, run_bench
+from specula.bench.suite import BenchSettings, results_path, run_bench
 from specula.bench.vanilla_vs_hf import DEFAULT_PROMPTS, read_prompts
 from specula.bench.vanilla_vs_hf import run as vanilla_vs_hf
 from specula.cli.common import (
@@ -30,7 +30,7 @@ from specula.cli.common import (
     unit_fraction,
 )
 from specula.errors import SpeculaError
-from specula.files.outputs import check_output_file
+from specula.files.outputs import check_replaceable_file, prepare_output_dir
 from specula.methods import DEFAULT_TARGET, METHODS, resolve_draft
 from specula.runtime.loading import check_model_dir
 from specula.runtime.model_source import model_name
@@ -193,6 +193,8 @@ def bench_settings(args: argparse.Namespace):
     weights = resolve_weights(weights, profile, device)  # auto as the profile chose: spelled out in the report
     labels = _split(pick("methods"))
     specs = method_specs(labels, config["methods"], args.option, all_defaults(profile, device))
+    # A directory holding its results.json is an earlier run to resume; any other non-empty one is not ours to fill.
+    prepare_output_dir(out, "bench", resume=True, create=False, own_file=results_path(Path(out)).name)
     llama_server = None
     if any(spec.is_llamacpp for spec in specs):
         try:
@@ -335,7 +337,7 @@ def run_calibrate_command(args: argparse.Namespace) -> int:
     check_seed(args.seed)
     check_model_dir(args.target, "target")
     if args.out is not None and not args.no_save:  # checked before minutes of measuring, not after them
-        check_output_file(args.out, "--out", replace=True)
+        check_replaceable_file(args.out, "--out", "a hardware profile", is_profile)
     options = {}
     for text in args.option:
         _, key, value = parse_option(f"{args.method}.{text}")
@@ -357,6 +359,14 @@ def run_calibrate_command(args: argparse.Namespace) -> int:
         path = save_profile(profile, args.out or profile_path(profile["target"]))
         print(f"profile written to {path}", file=sys.stderr)
     return 0
+
+
+def is_profile(path: Path) -> bool:
+    """Whether ``path`` holds a profile `specula calibrate` wrote (it merges into one), not some other file."""
+    try:
+        return "target" in load_profile("", path)
+    except SpeculaError:
+        return False
 
 
 # ---------------------------------------------------------------- speed check

@@ -17,9 +17,9 @@ from transformers import AutoConfig
 
 from specula.cli.common import DTYPE_CHOICES, device_name, number_list, positive_int
 from specula.cli.train_data import add_generation_arguments, add_train_data_parser, generated_inputs
-from specula.drafters.medusa import CHOICES_FILE, check_heads_fit
+from specula.drafters.medusa import CHOICES_FILE, check_heads_fit, read_choices_file
 from specula.errors import SpeculaError
-from specula.files.outputs import check_cache_dir, check_output_file, prepare_output_dir
+from specula.files.outputs import check_cache_dir, check_replaceable_file, prepare_output_dir
 from specula.heads.eagle_head import EagleHead
 from specula.heads.formats import load_head
 from specula.heads.ldlp import head_fingerprint
@@ -277,7 +277,7 @@ def run_medusa_tree(args: argparse.Namespace) -> int:
         raise SpeculaError(f"data file not found: {args.data}")
     if args.cache_dir is not None:
         check_cache_dir(args.cache_dir, "--cache-dir")
-    check_output_file(args.out or args.draft / CHOICES_FILE, "--out", replace=True)
+    check_replaceable_file(args.out or args.draft / CHOICES_FILE, "--out", "a Medusa tree", is_tree)
     records = read_records(args.data)[: args.samples]
     target = Target.load(args.target, dtype=args.dtype, device=args.device)
     heads = MedusaHeads.from_pretrained(args.draft, dtype=target.dtype, device=target.device).attach(target)
@@ -294,6 +294,15 @@ def run_medusa_tree(args: argparse.Namespace) -> int:
                         args.nodes, args.top_k)
     print(json.dumps({**report, "out": str(out)}))
     return 0
+
+
+def is_tree(path: Path) -> bool:
+    """Whether ``path`` holds Medusa tree choices (which `train medusa-tree` replaces), not some other file."""
+    try:
+        read_choices_file(path)
+    except SpeculaError:
+        return False
+    return True
 
 
 def add_train_ldlp_parser(trainers: argparse._SubParsersAction) -> None:

@@ -10,11 +10,12 @@ from pathlib import Path
 
 from specula.cli.common import DTYPE_CHOICES, device_name, number_list, positive_int
 from specula.errors import SpeculaError
+from specula.files.outputs import prepare_output_dir
 from specula.heads.eagle3_head import default_feature_layers, fused_feature_request
 from specula.methods import DEFAULT_TARGET
 from specula.runtime.target import FeatureRequest, Target
 from specula.runtime.weights import WEIGHT_FORMATS
-from specula.training.conversations import PromptMix
+from specula.training.conversations import JobMaker, PromptMix
 from specula.training.generated import FEATURE_DTYPES, RUN_FILE, GenerationOptions, default_weights, generate_data
 from specula.training.recipe import generated_sets
 from specula.training.records import has_chat_template
@@ -77,6 +78,7 @@ def run_train_data(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     mix_args, options = _mix_arguments(args), _options(args)
+    check_data_dir(args.out, "--out")
     target = _load_target(args, args.out)
     config = target.config
     layers = default_feature_layers(config.num_hidden_layers)
@@ -84,24 +86,39 @@ def run_train_data(args: argparse.Namespace) -> int:
                "eagle3": fused_feature_request(layers, config.num_hidden_layers),
                "eagle": FeatureRequest(final_hidden=True)}[args.capture]
     request = _stored_request(args.out) or request
-    totals = generate_data(target, args.out, PromptMix(chat=has_chat_template(target.tokenizer), **mix_args), request,
-                           options, log=_log)
+    totals = generate_data(target, args.out, _checked_mix(target, mix_args), request, options, log=_log)
     print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in totals.items()}))
     return 0
 
 
 def generated_inputs(args: argparse.Namespace, request: FeatureRequest):
     """(target, train set, eval set) of ``--generated``, generating first when ``--gen-tokens`` asks for more."""
+    if args.gen_tokens is not None:
+        check_data_dir(args.generated, "--generated")
     target = _load_target(args, args.generated)
     if args.gen_tokens is not None:
         config = target.config
         both = FeatureRequest(True, tuple(sorted({*request.layer_inputs, *fused_feature_request(
             default_feature_layers(config.num_hidden_layers), config.num_hidden_layers).layer_inputs})))
-        mix = PromptMix(chat=has_chat_template(target.tokenizer), **_mix_arguments(args))
+        mix = _checked_mix(target, _mix_arguments(args))
         generate_data(target, args.generated, mix, _stored_request(args.generated) or both, _options(args), log=_log)
     train, evaluation = generated_sets(args.generated, request, args.eval_samples, args.seed, args.train_samples,
                                        args.max_prompt_context, target)
     return target, train, evaluation
+
+
+def check_data_dir(directory: Path, flag: str) -> None:
+    """Before the target loads: ``directory`` is new, empty or generated data to resume (its run file), never
+    a directory of other files, which generation would fill (and whose ``shards/`` it would clean)."""
+    prepare_output_dir(directory, "train data", resume=True, create=False, own_file=RUN_FILE, flag=flag)
+
+
+def _checked_mix(target: Target, mix_args: dict) -> PromptMix:
+    """The prompt mix for ``target``, its jobs proved drawable (seed prompts where there is no chat template)
+    before generation creates the data directory: a refused mix leaves nothing behind."""
+    mix = PromptMix(chat=has_chat_template(target.tokenizer), **mix_args)
+    JobMaker(mix)
+    return mix
 
 
 def _mix_arguments(args: argparse.Namespace) -> dict:
@@ -121,8 +138,21 @@ def _options(args: argparse.Namespace) -> GenerationOptions:
 
 
 def _stored_run(directory: Path) -> dict | None:
+    """The components of the run file of the data being resumed (None if there is none yet)."""
     path = Path(directory) / RUN_FILE
-    return json.loads(path.read_text())["components"] if path.is_file() else None
+    if not path.is_file():
+        return None
+    try:
+        run = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise SpeculaError(f"cannot resume from {path}: {err}") from err
+    components = run.get("components") if isinstance(run, dict) else None
+    target = components.get("target") if isinstance(components, dict) else None
+    request = components.get("request") if isinstance(components, dict) else None
+    if not (isinstance(target, dict) and isinstance(target.get("format"), str) and isinstance(request, dict)
+            and isinstance(request.get("layer_inputs"), list) and "final_hidden" in request):
+        raise SpeculaError(f"cannot resume from {path}: it is not the run file of generated data")
+    return components
 
 
 def _stored_request(directory: Path) -> FeatureRequest | None:

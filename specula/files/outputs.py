@@ -14,7 +14,9 @@ command wrote before, recognised by the marker file ``.specula-output.json``
 specula did not write there (a model or head with config.json / *.safetensors,
 or any other file) is refused, as is an earlier run's checkpoint unless
 ``resume`` says to continue it; ``--out`` that is a file, lies under a file or
-cannot be written is refused too — all before anything is written.
+cannot be written is refused too — all before anything is written. Commands whose outputs predate the
+marker, or that resume from their own results file (bench's ``results.json``, train data's ``run.json``), name
+that file as ``own_file``: a directory holding it is theirs.
 """
 
 from __future__ import annotations
@@ -126,23 +128,24 @@ def _holds_model(directory: Path) -> bool:
     return (directory / "config.json").exists() or any(directory.glob("*.safetensors"))
 
 
-def _check_owner(out: Path, kind: str, resume: bool) -> dict | None:
+def _check_owner(out: Path, kind: str, resume: bool, own_file: str | None, flag: str) -> dict | None:
     """Refuse an existing directory this command may not write into; returns its marker if it has one."""
     marker = read_marker(out)
     others = [entry for entry in out.iterdir() if entry.name != MARKER]
     if marker is None:
         legacy_run = resume and (out / "checkpoint" / "trainer_state.pt").is_file()  # written before markers
-        if others and not legacy_run:
+        own_output = own_file is not None and (out / own_file).is_file()
+        if others and not (legacy_run or own_output):
             names = ", ".join(sorted(entry.name for entry in others)[:3])
             what = "a model or draft head" if _holds_model(out) else f"files it did not write ({names})"
-            raise SpeculaError(f"--out {out} already holds {what}; `specula {kind}` writes only into a new or empty "
-                               "directory or its own earlier output")
+            raise SpeculaError(f"{flag} {out} already holds {what}; `specula {kind}` writes only into a new or "
+                               "empty directory or its own earlier output")
         return None
     if marker["kind"] != kind:
-        raise SpeculaError(f"--out {out} holds the output of `specula {marker['kind']}`, not of `specula {kind}`; "
+        raise SpeculaError(f"{flag} {out} holds the output of `specula {marker['kind']}`, not of `specula {kind}`; "
                            "choose another directory")
     if not resume and (out / "checkpoint").exists():
-        raise SpeculaError(f"--out {out} holds an earlier run of `specula {kind}`: add --resume to continue it, "
+        raise SpeculaError(f"{flag} {out} holds an earlier run of `specula {kind}`: add --resume to continue it, "
                            "or choose a new directory")
     return marker
 
@@ -156,28 +159,31 @@ def _probe_writable(directory: Path, out: Path, flag: str = "--out") -> None:
         raise SpeculaError(f"{flag} {out} cannot be written: {directory}: {_reason(err)}") from err
 
 
-def prepare_output_dir(path: str | Path, kind: str, resume: bool = False, create: bool = True) -> Path:
+def prepare_output_dir(path: str | Path, kind: str, resume: bool = False, create: bool = True,
+                       own_file: str | None = None, flag: str = "--out") -> Path:
     """Check that ``kind`` (e.g. "train eagle", "convert") may write into ``path``, then create and mark it.
 
     Raises SpeculaError, having written nothing, when ``path`` is a file, lies under a file,
     cannot be written, or is a directory this command did not write (see the module docstring).
     ``create=False`` only checks, so that a command can fail fast and claim the directory once its
     other inputs have proved usable (nothing is left behind by a run that stops at bad input).
+    ``own_file`` names a file that marks the directory as this command's own (see the module docstring);
+    ``flag`` is the option that named ``path``, for the messages.
     """
     out = Path(path)
     existing = _first_existing(out)
     if existing is not None and not existing.is_dir():
         if existing == out:
-            raise SpeculaError(f"--out {out} is a file, not a directory")
-        raise SpeculaError(f"--out {out} lies under {existing}, which is a file")
-    marker = _check_owner(out, kind, resume) if existing == out else None
-    _probe_writable(existing if existing is not None else Path.cwd(), out)
+            raise SpeculaError(f"{flag} {out} is a file, not a directory")
+        raise SpeculaError(f"{flag} {out} lies under {existing}, which is a file")
+    marker = _check_owner(out, kind, resume, own_file, flag) if existing == out else None
+    _probe_writable(existing if existing is not None else Path.cwd(), out, flag)
     if not create:
         return out
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        raise SpeculaError(f"--out {out} cannot be created: {_reason(err)}") from err
+        raise SpeculaError(f"{flag} {out} cannot be created: {_reason(err)}") from err
     if marker is None:
         atomic_write_json(out / MARKER, {"kind": kind, "version": MARKER_VERSION})
     return out
@@ -215,6 +221,16 @@ def check_output_file(path: str | Path, flag: str, replace: bool) -> Path:
     if existing != file.parent:
         raise SpeculaError(f"{flag} {file}: directory {file.parent} does not exist")
     _probe_writable(file.parent, file, flag)
+    return file
+
+
+def check_replaceable_file(path: str | Path, flag: str, what: str, is_ours: Callable[[Path], bool]) -> Path:
+    """`check_output_file` for a command that rewrites its own earlier output: an existing file is replaced only
+    if ``is_ours`` recognises it as ``what`` (e.g. "a hardware profile"); anything else there is refused."""
+    file = check_output_file(path, flag, replace=True)
+    if file.exists() and not is_ours(file):
+        raise SpeculaError(f"{flag} {file} exists and is not {what}, so it is not replaced; choose another file "
+                           "or move it away")
     return file
 
 

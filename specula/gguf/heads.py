@@ -257,6 +257,9 @@ def check_out_file(out: Path, *inputs: Path) -> None:
         raise SpeculaError(f"--out {out} is one of the inputs")
     if out.is_dir():
         raise SpeculaError(f"--out {out} is a directory")
+    above = next((parent for parent in out.parents if parent.exists()), None)
+    if above is not None and not above.is_dir():  # said now, not as a failed mkdir after the head is built
+        raise SpeculaError(f"--out {out} lies under {above}, which is a file")
     if out.exists():
         try:
             arch = check_gguf_file(out)
