@@ -304,7 +304,25 @@ def test_bench_greedy_divergences_are_split_into_near_ties_and_real(speculators)
     assert records[1]["divergence"] is None and "divergence" not in records[0]
     found = records[2]["divergence"]
     assert found["turn"] == 0 and found["position"] == 5 and found["kind"] == REAL
+    assert found["row_invariant"] and found["tolerance"] == 0.0  # probed: no near-tie allowance on this target
     assert greedy_divergences(records[1:]) == {"near_ties": 0, "real": 1}
+
+
+def test_bench_report_says_identical_when_every_greedy_output_is_bit_equal():
+    from test_bench import record
+
+    from specula.bench.metrics import aggregate
+    from specula.bench.report import markdown
+
+    records = [record("a", "vanilla", 1.0, tokens=[1, 2, 3]),
+               record("a", "pld", 2.0, tokens=[1, 2, 3], divergence=None),
+               record("a", "sps", 2.0, tokens=[1, 2, 4], divergence={"kind": "real"})]
+    settings = {"target": "t", "dtype": "float32", "device": "cpu", "threads": 1, "max_new_tokens": 8, "top_k": 0,
+                "top_p": 1.0, "seed": 0, "data": ["q"], "methods": {}}
+    text = markdown({"settings": settings, "records": records,
+                     "aggregates": aggregate(records, ["vanilla", "pld", "sps"])})
+    assert "| pld | 1 | 2.0 | – | 1.00 identical |" in text and "| vanilla | 1 | 1.0 | – | 1.00 |" in text
+    assert "Greedy outputs of pld are identical to vanilla's, token for token, on every question." in text
 
 
 def test_prompts_go_through_the_chat_template_when_the_tokenizer_has_one(speculators, tmp_path):

@@ -3,6 +3,9 @@
 The same classification as `specula check` (`specula.divergence.explain`): at a record's first
 divergence from the baseline (vanilla) the target's logits for the baseline's prefix are recomputed
 and the divergence is called a ``near-tie`` (within the weight dtype's rounding noise) or ``real``.
+As in the check, the near-tie allowance applies only where the target's verify pass is not row-invariant
+(`specula.divergence.probe_row_invariance`, probed once at the first divergence): on a row-invariant target
+outputs must be identical and every divergence but an exact tie is real.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from specula.chat.template import conversation_ids
-from specula.divergence import explain
+from specula.divergence import explain, probe_row_invariance
 
 
 def annotate_divergences(records: list[dict], target, questions: dict, baseline: str, max_prompt_tokens: int) -> None:
@@ -23,6 +26,7 @@ def annotate_divergences(records: list[dict], target, questions: dict, baseline:
     since each turn's prompt holds the answers before it.
     """
     tokenizer = target.tokenizer
+    invariant = None  # probed at the first divergence: identical runs need no probe
     base = {r["question"]: r for r in records if r["method"] == baseline and float(r["temperature"]) == 0}
     for record in records:
         if float(record["temperature"]) != 0 or record["method"] == baseline or "divergence" in record:
@@ -35,8 +39,11 @@ def annotate_divergences(records: list[dict], target, questions: dict, baseline:
         for turn, (mine, expected) in enumerate(zip(record["turns"], theirs["turns"], strict=False)):
             if mine["token_ids"] != expected["token_ids"]:
                 ids, _ = conversation_ids(tokenizer, list(question.turns[: turn + 1]), answers, max_prompt_tokens)
-                found = explain(target, torch.tensor(ids), expected["token_ids"], mine["token_ids"])
-                record["divergence"] = {"turn": turn, **found.as_dict()}
+                if invariant is None:
+                    invariant = not probe_row_invariance(target, torch.tensor(ids), expected["token_ids"])
+                found = explain(target, torch.tensor(ids), expected["token_ids"], mine["token_ids"],
+                                invariant=invariant)
+                record["divergence"] = {"turn": turn, "row_invariant": invariant, **found.as_dict()}
                 break
             answers.append(tokenizer.decode(expected["token_ids"], skip_special_tokens=True))
 

@@ -50,6 +50,12 @@ def _divergence_note(counts: dict | None) -> str:
     return f" ({counts['near_ties']} near-tie, {counts['real']} real)"
 
 
+def _identical(overall: dict) -> bool:
+    """Whether a T=0 row's token ids equal the baseline's on every question (the baseline's own row is not
+    compared: it has no classified divergences)."""
+    return overall.get("greedy_equal") == 1.0 and overall.get("greedy_divergences") is not None
+
+
 def _row_label(label: str, settings: dict, temperature: str) -> str:
     """A method's row name; rows run with the lossy typical acceptance say so.
 
@@ -111,7 +117,9 @@ def markdown(results: dict) -> str:
             depth += [None] * (DEPTH_COLUMNS - len(depth))
             cells = [str(s["questions"]), _num(s["tokens_per_s"], ".1f"), _num(s.get("vs_best_hf"), ".2f", "×")]
             if greedy:
-                cells.append(_num(s.get("greedy_equal"), ".2f") + _divergence_note(s.get("greedy_divergences")))
+                identical = " identical" if _identical(s) else ""
+                cells.append(_num(s.get("greedy_equal"), ".2f") + identical
+                             + _divergence_note(s.get("greedy_divergences")))
             cells += [_num(s["alpha"], ".2f")] + [_num(a, ".2f") for a in depth]
             cells += [_num(s["draft_share"], ".0%"), _num(s["verify_share"], ".0%"), _num(s["peak_rss_mb"], ".0f"),
                       _num(s["repetition"], ".2f")]
@@ -123,10 +131,15 @@ def markdown(results: dict) -> str:
                           f"{', '.join(real)}.** For our methods this is a bug to report; `transformers` "
                           "baselines can differ by floating-point rounding, llama.cpp rows also because llama.cpp "
                           "computes with quantized weights and activations where our target dequantizes."]
+        identical = [m for m, r in table.items() if greedy and _identical(r["overall"])]
+        if identical:
+            lines += ["", f"Greedy outputs of {', '.join(identical)} are identical to vanilla's, token for token, on "
+                          "every question."]
         if set(unequal) - set(real):
             lines += ["", f"Greedy outputs of {', '.join(m for m in unequal if m not in real)} differ from vanilla "
                           "only where the target's top two logits tie within the dtype's rounding noise (near-ties, "
-                          "as `specula check` classifies them)."]
+                          "as `specula check` classifies them: allowed only where the verify pass is not "
+                          "row-invariant, which the check probes on the target)."]
         lines += _context_lines(table, settings, temperature)
         lines += _llamacpp_lines(results.get("llamacpp", {}).get(temperature))
     lines += [
