@@ -15,9 +15,6 @@ from collections.abc import Callable, Iterator
 
 from transformers import logging as hf_logging
 
-from specula.cli.bench import add_bench_parser, add_calibrate_parser, add_speedcheck_parser
-from specula.cli.chat import add_chat
-from specula.cli.check import add_check_parser
 from specula.cli.common import (
     EXIT_BROKEN_PIPE,
     EXIT_INTERRUPTED,
@@ -26,24 +23,76 @@ from specula.cli.common import (
     report_error,
     report_os_error,
 )
-from specula.cli.convert import add_convert_parser
-from specula.cli.generate import add_generate
-from specula.cli.prompts import add_prompts_parser
-from specula.cli.serve import add_serve_parser
-from specula.cli.train import add_train
 from specula.errors import SpeculaError
 
-# Each entry registers one subcommand on the shared subparsers.
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
-    add_generate, add_chat, add_check_parser, add_train, add_bench_parser, add_calibrate_parser,
-    add_convert_parser, add_speedcheck_parser, add_serve_parser, add_prompts_parser,
-]
+# Each subcommand's module is imported only when that subcommand runs (or for the full --help): `specula train` pulls
+# in the trainers, `bench` the benchmark, `check` the certifier, none of which `specula generate` needs before its
+# first token.
+Register = Callable[[argparse._SubParsersAction], None]
 
 
-def build_parser() -> ArgumentParser:
+def _generate(subparsers: argparse._SubParsersAction) -> None:
+    from specula.cli.generate import add_generate
+    add_generate(subparsers)
+
+
+def _chat(subparsers: argparse._SubParsersAction) -> None:
+    from specula.cli.chat import add_chat
+    add_chat(subparsers)
+
+
+def _check(subparsers: argparse._SubParsersAction) -> None:
+    from specula.cli.check import add_check_parser
+    add_check_parser(subparsers)
+
+
+def _train(subparsers: argparse._SubParsersAction) -> None:
+    from specula.cli.train import add_train
+    add_train(subparsers)
+
+
+def _bench(subparsers: argparse._SubParsersAction) -> None:
+    from specula.cli.bench import add_bench_parser
+    add_bench_parser(subparsers)
+
+
+def _calibrate(subparsers: argparse._SubParsersAction) -> None:
+    from specula.cli.bench import add_calibrate_parser
+    add_calibrate_parser(subparsers)
+
+
+def _convert(subparsers: argparse._SubParsersAction) -> None:
+    from specula.cli.convert import add_convert_parser
+    add_convert_parser(subparsers)
+
+
+def _speedcheck(subparsers: argparse._SubParsersAction) -> None:
+    from specula.cli.bench import add_speedcheck_parser
+    add_speedcheck_parser(subparsers)
+
+
+def _serve(subparsers: argparse._SubParsersAction) -> None:
+    from specula.cli.serve import add_serve_parser
+    add_serve_parser(subparsers)
+
+
+def _prompts(subparsers: argparse._SubParsersAction) -> None:
+    from specula.cli.prompts import add_prompts_parser
+    add_prompts_parser(subparsers)
+
+
+# Each entry registers one subcommand on the shared subparsers, in the order --help lists them.
+SUBCOMMANDS: dict[str, Register] = {
+    "generate": _generate, "chat": _chat, "check": _check, "train": _train, "bench": _bench, "calibrate": _calibrate,
+    "convert": _convert, "speedcheck": _speedcheck, "serve": _serve, "prompts": _prompts,
+}
+
+
+def build_parser(command: str | None = None) -> ArgumentParser:
+    """The parser of every subcommand, or only of ``command`` where it names one (the others are not imported)."""
     parser = ArgumentParser(prog=PROG, description="Lossless speculative decoding for Hugging Face causal LMs.")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in SUBCOMMANDS:
+    for add in [SUBCOMMANDS[command]] if command in SUBCOMMANDS else SUBCOMMANDS.values():
         add(subparsers)
     return parser
 
@@ -64,7 +113,9 @@ def quiet_libraries() -> Iterator[None]:
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit status (0 ok, 2 bad input, 130 interrupted)."""
     try:
-        args = build_parser().parse_args(argv)
+        given = sys.argv[1:] if argv is None else argv
+        # The top-level parser takes no option but --help, so the first other word names the subcommand.
+        args = build_parser(next((word for word in given if not word.startswith("-")), None)).parse_args(argv)
         with quiet_libraries():
             return args.handler(args)
     except SpeculaError as err:
