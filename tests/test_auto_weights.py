@@ -12,6 +12,8 @@ from conftest import STORIES, copy_dir
 
 import specula
 from specula import methods
+from specula.cli import build_parser
+from specula.cli.bench import bench_settings
 from specula.errors import SpeculaError
 from specula.runtime import auto_weights, weights
 from specula.runtime.model_source import cache_dir
@@ -118,3 +120,12 @@ def test_a_calibrated_profile_and_the_environment_decide_before_the_measurement(
     monkeypatch.setenv(auto_weights.ENVIRONMENT_VARIABLE, "fast")
     with pytest.raises(SpeculaError, match="SPECULA_AUTO_WEIGHTS must be one of"):
         auto_weights.resolve_auto_weights("auto", STORIES, "cpu", None)
+
+
+def test_bench_spells_out_what_auto_decided(deciding, monkeypatch):
+    monkeypatch.setattr(auto_weights, "choose", lambda shapes, device: {"choice": "int4", "formats": {},
+                                                                        "unavailable": {}})
+    args = build_parser().parse_args(["bench", "--target", str(STORIES), "--methods", "vanilla", "--no-profile",
+                                      "--out", str(deciding / "out")])
+    settings = bench_settings(args)
+    assert settings.weights == "int4" and "--weights int4" in settings.command

@@ -32,6 +32,7 @@ from specula.cli.common import (
 from specula.errors import SpeculaError
 from specula.files.outputs import check_replaceable_file, prepare_output_dir
 from specula.methods import DEFAULT_TARGET, METHODS, resolve_draft
+from specula.runtime.auto_weights import resolve_auto_weights
 from specula.runtime.loading import check_model_dir
 from specula.runtime.model_source import model_name
 from specula.runtime.profile import all_defaults, load_profile, profile_path, save_profile
@@ -190,7 +191,8 @@ def bench_settings(args: argparse.Namespace):
     if not args.no_profile:
         profile = load_profile(model_name(target), args.profile)
     device = _device(pick("device", "cpu"))
-    weights = resolve_weights(weights, profile, device)  # auto as the profile chose: spelled out in the report
+    # auto as the profile chose, else as this machine decided for the target: spelled out in the report
+    weights = resolve_auto_weights(weights, target, device, profile)
     labels = _split(pick("methods"))
     specs = method_specs(labels, config["methods"], args.option, all_defaults(profile, device))
     # A directory holding its results.json is an earlier run to resume; any other non-empty one is not ours to fill.
