@@ -210,6 +210,11 @@ def test_target_defaults_to_the_bundled_model():
     assert build_parser().parse_args(["generate", "--prompt", PROMPT]).target == DEFAULT_TARGET
 
 
+def test_method_defaults_to_the_fastest_measured_one():
+    for argv in (["generate", "--prompt", PROMPT], ["chat"], ["serve"]):
+        assert build_parser().parse_args(argv).method == "pld"  # docs/defaults.md: measured fastest
+
+
 # ---------------------------------------------------------------- happy paths
 
 
@@ -266,7 +271,7 @@ def test_greedy_output_is_identical_across_methods(json_runs):
 def test_plain_text_streams_the_same_text(capfd, tmp_path, json_runs):
     prompt_file = tmp_path / "prompt.txt"
     prompt_file.write_text(PROMPT)  # no trailing newline: the file is the prompt verbatim
-    code, out, err = generate(capfd, "--target", STORIES, "--prompt-file", prompt_file,
+    code, out, err = generate(capfd, "--target", STORIES, "--prompt-file", prompt_file, "--method", "vanilla",
                               "--max-new-tokens", NEW_TOKENS)
     assert code == 0
     assert out == json_runs["vanilla"]["text"] + "\n"

