@@ -7,6 +7,7 @@ loaded as ``torch.ops.specula.*`` ops; `scripts/install.sh` builds them so a fir
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import sys
@@ -15,6 +16,7 @@ from pathlib import Path
 import torch
 
 from specula.errors import SpeculaError
+from specula.files.outputs import atomic_write_bytes
 from specula.runtime.model_source import cache_dir
 
 
@@ -52,8 +54,11 @@ def avx2_build_problem(kernel: str, device: torch.device | str = "cpu") -> str |
 
 
 def build_directory(kernel: str) -> Path:
-    """Where a kernel's build lives, per torch version (an extension is tied to the torch it was built for)."""
-    return cache_dir() / "kernels" / f"{kernel}-torch{torch.__version__.replace('+', '-')}"
+    """Where a kernel's build lives: per torch version (an extension is tied to the torch it was built for) and
+    per source content, so two installs of different Specula versions sharing one cache never rebuild over each
+    other (they did: each load saw the other's source and recompiled, for seconds every time)."""
+    digest = hashlib.sha256(Path(__file__).with_name(f"{kernel}.cpp").read_bytes()).hexdigest()[:12]
+    return cache_dir() / "kernels" / f"{kernel}-torch{torch.__version__.replace('+', '-')}-{digest}"
 
 
 def build(kernel: str, source: Path, flags: list[str]) -> None:
@@ -74,8 +79,13 @@ def build(kernel: str, source: Path, flags: list[str]) -> None:
         os.environ["PATH"] = ninja_dir + os.pathsep + os.environ.get("PATH", "")
     from torch.utils.cpp_extension import load as load_extension
 
+    # Built from a copy inside the build directory: ninja rebuilds when a source's path changes, and two
+    # checkouts of the same version (a repository and its installed wheel) would otherwise do that in turn.
+    copy = directory / source.name
+    if not copy.exists() or copy.read_bytes() != source.read_bytes():
+        atomic_write_bytes(copy, source.read_bytes())
     try:
-        load_extension(name=name, sources=[str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+        load_extension(name=name, sources=[str(copy)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                        build_directory=str(directory), is_python_module=False, verbose=False)
     except (RuntimeError, OSError, ImportError) as err:
         log = directory / "build.log"  # torch's first line is the command; the compiler's words come later
