@@ -89,6 +89,17 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(probs, 1, generator=generator).item())
 
 
+def sample_rows(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``probs`` [B, V] by inverting its cumulative distribution at ``uniforms`` [B] in
+    [0, 1): returns int64 [B]. Exact sampling, as `sample` is, but one cumulative sum for the whole batch instead
+    of `torch.multinomial`'s V exponential draws per row (about 1 ms per row for a 49k vocabulary on a CPU core).
+    A token of probability zero is never drawn (the search takes the first index whose cumulative mass exceeds
+    the point)."""
+    cdf = probs.float().cumsum(dim=-1)
+    points = (uniforms.to(cdf.device, torch.float32) * cdf[:, -1]).unsqueeze(1)
+    return torch.searchsorted(cdf, points, right=True).squeeze(1).clamp_max(probs.shape[-1] - 1)
+
+
 def pick_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """One token from ``logits`` [V]: argmax when greedy, else a sample."""
     if params.greedy:

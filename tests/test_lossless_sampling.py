@@ -433,3 +433,19 @@ def test_generate_tokens_with_broken_residual_acceptor_is_rejected(models, metho
     pvalues, accepted = e2e_pvalues(models, method, acceptor=accept_bonus_from_unmodified_p)
     assert accepted > N_E2E // 2, accepted
     assert min(pvalues.values()) < ALPHA, pvalues
+
+
+def test_batched_inverse_cdf_sampling_draws_each_token_at_its_probability_and_never_a_zero():
+    from specula.sampling import sample_rows
+
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.3, 0.2], [0.1, 0.0, 0.0, 0.0, 0.9]])
+    edges = sample_rows(probs, torch.tensor([0.0, 1.0 - 2 ** -24]))
+    assert edges.tolist() == [1, 4]  # the first and the last token of non-zero mass at the ends of [0, 1)
+    generator = torch.Generator().manual_seed(0)
+    draws = 20_000
+    tokens = sample_rows(probs[:1].expand(draws, -1), torch.rand(draws, generator=generator))
+    counts = torch.bincount(tokens, minlength=5).double()
+    assert counts[0] == 0 and counts[2] == 0
+    expected = probs[0].double() * draws
+    sigma = (expected * (1 - probs[0].double())).sqrt()
+    assert bool(((counts - expected).abs() <= 5 * sigma + 1e-9).all()), counts

@@ -28,6 +28,7 @@ import torch
 
 from specula.runtime.packed import Block, forward_packed
 from specula.runtime.target import FeatureRequest, Target
+from specula.sampling import sample_rows
 from specula.training.conversations import Conversation, Job, Ref, Turn
 from specula.training.records import has_chat_template
 from specula.training.synthesis import SynthesisOptions, rejection
@@ -170,18 +171,33 @@ class CaptureEngine:
         logits = torch.cat([out.logits for out in outputs]).float()
         probs = torch.softmax(logits, dim=-1)
         top_probs, top_ids = probs.topk(self.top_k, dim=-1)
+        last_rows = torch.tensor([out.logits.shape[0] for out in outputs]).cumsum(0) - 1
+        tokens = self._next_tokens(active, logits[last_rows])
         first = 0
-        for slot, out in zip(active, outputs, strict=True):
+        for slot, out, token in zip(active, outputs, tokens, strict=True):
             n, count = len(slot.pending), out.logits.shape[0]
             slot.target.commit()
             self.fed_tokens += n
             self._record(slot, out, top_ids[first:first + count], top_probs[first:first + count], n)
-            last = logits[first + count - 1], probs[first + count - 1]
             first += count
             if slot.final:
                 self._finish_conversation(slot, done)
             else:
-                self._advance(slot, *last, done)
+                self._advance(slot, token, done)
+
+    def _next_tokens(self, active: list[_Slot], logits: torch.Tensor) -> list[int]:
+        """Each slot's next token from ``logits`` [B, V], its last row: the argmax where the turn being written
+        is greedy, else a sample at the turn's temperature — all sampled rows in one inverse-CDF draw
+        (`sample_rows`), each with a uniform from its slot's own generator, so a job's tokens depend on its seed
+        alone, not on which jobs share its steps. Slots whose sample is complete get the argmax, unused."""
+        temperatures = torch.tensor([0.0 if s.final else float(s.steps[s.step][1].temperature) for s in active])
+        tokens = logits.argmax(dim=-1)
+        sampled = (temperatures > 0).nonzero().squeeze(1)
+        if len(sampled):
+            warped = torch.softmax(logits[sampled] / temperatures[sampled].unsqueeze(1), dim=-1)
+            uniforms = torch.stack([torch.rand((), generator=active[i].generator) for i in sampled.tolist()])
+            tokens[sampled] = sample_rows(warped, uniforms)
+        return tokens.tolist()
 
     def _record(self, slot: _Slot, out, ids: torch.Tensor, probs: torch.Tensor, n: int) -> None:
         rows = slot.rows
@@ -203,14 +219,9 @@ class CaptureEngine:
     def _length(self, slot: _Slot) -> int:
         return sum(int(t.shape[0]) for t in slot.rows.get("input_ids", []))
 
-    def _advance(self, slot: _Slot, logits: torch.Tensor, probs: torch.Tensor, done) -> None:
-        """Pick the next token of the turn being written; on its end, queue the text up to the next written turn."""
+    def _advance(self, slot: _Slot, token: int, done) -> None:
+        """Append ``token`` to the turn being written; on its end, queue the text up to the next written turn."""
         k, turn = slot.steps[slot.step]
-        if turn.temperature == 0:
-            token = int(logits.argmax())
-        else:
-            warped = probs if turn.temperature == 1 else torch.softmax(logits / turn.temperature, dim=-1)
-            token = int(torch.multinomial(warped, 1, generator=slot.generator))
         slot.written.append(token)
         assistant = turn.role == "assistant"
         length = self._length(slot)
