@@ -96,6 +96,33 @@ def test_a_packed_sequences_rows_equal_its_block_alone_and_its_one_token_steps(f
         assert mismatched_rows(target, block.tokens) == []
 
 
+@needs_attention
+def test_a_packed_step_of_chains_a_tree_and_a_new_prompt_gives_each_its_rows_alone():
+    """Chains go through one packed attention call, the tree and the prompt one call each: every sequence's rows
+    and the keys it leaves in its cache must be those of its block run alone."""
+    base = Target.load(STORIES, dtype="float32", weights="q4_1")
+    generator = torch.Generator().manual_seed(2)
+    mask, depths = tree_block(TREE_PARENTS)
+    plans = [(17, 1, None, None), (0, 6, None, None), (30, len(TREE_PARENTS), mask, depths), (9, 3, None, None)]
+    targets = [base.fork() for _ in plans]
+    blocks = []
+    for target, (prefix, n, block_mask, block_depths) in zip(targets, plans, strict=True):
+        if prefix:
+            target.prefill(torch.randint(3, base.vocab_size, (prefix,), generator=generator))
+        blocks.append(Block(torch.randint(3, base.vocab_size, (n,), generator=generator), block_mask, block_depths,
+                            FeatureRequest(final_hidden=True)))
+    packed = forward_packed(targets, blocks)
+    for target, block, out in zip(targets, blocks, packed, strict=True):
+        target.commit()
+        cache = target.runtime.cache
+        keys = [k[:, :, :cache.length].clone() for k in cache.keys]
+        target.runtime.cache.truncate(cache.length - len(block.tokens))
+        alone = block.run(target)
+        target.commit()
+        assert torch.equal(alone.logits, out.logits) and torch.equal(alone.hidden, out.hidden)
+        assert all(torch.equal(a, k[:, :, :cache.length]) for a, k in zip(keys, cache.keys, strict=True))
+
+
 @pytest.fixture(scope="module")
 def smollm2_path(smollm2):
     """The default model's converted directory (the smollm2 fixture converted it into this session's cache)."""

@@ -66,6 +66,14 @@ def kernel() -> torch._ops.OpOverloadPacket | None:
     return _kernel
 
 
+def packed() -> torch._ops.OpOverloadPacket | None:
+    """``torch.ops.specula.packed_attention`` where `kernel` runs, else None: many sequences' chain blocks of one
+    packed forward written to their caches and attended in one call, each row exactly as `kernel` attends it.
+    ``(q, k, v [1, H(kv), N, d], key_caches, value_caches: lists of [1, Hkv, A_s, d], starts, ends, prefixes:
+    lists of ints, scale) → [1, H, N, d]``, rows outside every [start, end) zero."""
+    return None if kernel() is None else torch.ops.specula.packed_attention
+
+
 def build_report() -> str:
     """Build the kernel now if this machine has no build, and say what happened (`scripts/install.sh` prints it)."""
     try:

@@ -71,7 +71,8 @@ def forward_packed(targets: list[Target], blocks: list[Block]) -> list[ForwardOu
         causal = block.mask is None and prefix == 0
         for window, listed in segments.items():
             mask = block_attention_mask(prefix, positions[-1], block.mask, window)
-            listed.append(Segment(runtime.cache, start, start + n, mask, causal))
+            chain = block.mask is None and prefix > 0 and window is None
+            listed.append(Segment(runtime.cache, start, start + n, mask, causal, chain))
         start += n
     wanted = FeatureRequest(any(b.features.final_hidden for b in blocks),
                             tuple(sorted({i for b in blocks for i in b.features.layer_inputs})))

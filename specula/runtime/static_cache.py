@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specula.kernels.attention import kernel as attention_kernel
+from specula.kernels.attention import packed as packed_attention_kernel
 from specula.runtime.fused_linear import fuse_outputs
 from specula.runtime.heap import trim_heap
 
@@ -98,14 +99,17 @@ class StaticKVCache:
 
 class Segment(NamedTuple):
     """One sequence's rows [start, end) of a packed block (many sequences in one forward, `specula.runtime.packed`):
-    its own ``cache``, its ``mask`` (`block_attention_mask`, None = causal or one token) and whether SDPA
-    must apply the causal triangle itself (``causal``: a prompt from an empty cache)."""
+    its own ``cache``, its ``mask`` (`block_attention_mask`, None = causal or one token), whether SDPA
+    must apply the causal triangle itself (``causal``: a prompt from an empty cache) and whether the block is a
+    plain chain after a non-empty prefix (``chain``: every row sees the prefix and the block rows before it; such
+    segments go through the kernel together, `_segments_attention`)."""
 
     cache: StaticKVCache
     start: int
     end: int
     mask: torch.Tensor | None
     causal: bool
+    chain: bool = False
 
 
 class SlotBlock(NamedTuple):
@@ -257,6 +261,31 @@ def _cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: 
                                           scale=scale, enable_gqa=True)
 
 
+def _segments_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: list[Segment], index: int,
+                        scale: float) -> torch.Tensor:
+    """Attention of a packed block: q [1, H, N, d], k, v [1, H_kv, N, d] over ``segments`` (each sequence's rows and
+    cache, layer ``index``). Chain segments the kernel takes go through one `packed_attention` call (each row's
+    bits those of its own `_cached_attention`); the others, one call each."""
+    chains = [s for s in segments if s.chain and s.end - s.start <= KERNEL_ROWS]
+    # The forks of one target share a dtype and device: one sequence's cache answers for all.
+    kernel = _attention_kernel(q[:, :, :1], chains[0].cache.keys[index]) if chains else None
+    packed = None if kernel is None else packed_attention_kernel()
+    if packed is None:
+        return torch.cat([_cached_attention(q[:, :, s.start:s.end], k[:, :, s.start:s.end], v[:, :, s.start:s.end],
+                                            s.cache, index, s.mask, s.causal, scale) for s in segments], dim=2)
+    for s in chains:  # what StaticKVCache.write does before it stores a block
+        s.cache.reserve(s.cache.length + s.end - s.start)
+        s.cache.block = s.end - s.start
+    out = packed(q, k, v, [s.cache.keys[index] for s in chains], [s.cache.values[index] for s in chains],
+                 [s.start for s in chains], [s.end for s in chains], [s.cache.length for s in chains], scale)
+    for s in segments:
+        if not (s.chain and s.end - s.start <= KERNEL_ROWS):
+            out[:, :, s.start:s.end] = _cached_attention(q[:, :, s.start:s.end], k[:, :, s.start:s.end],
+                                                         v[:, :, s.start:s.end], s.cache, index, s.mask, s.causal,
+                                                         scale)
+    return out
+
+
 def decoder_layer_step(layer: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        cache: StaticKVCache, index: int, mask: torch.Tensor | None, causal: bool,
                        apply_rope, attention_input: torch.Tensor | None = None,
@@ -288,8 +317,7 @@ def decoder_layer_step(layer: torch.nn.Module, x: torch.Tensor, cos: torch.Tenso
     v = v.transpose(1, 2)
     if segments is not None:
         # The linears above and below ran over every sequence's rows at once; attention is per sequence.
-        out = torch.cat([_cached_attention(q[:, :, s.start:s.end], k[:, :, s.start:s.end], v[:, :, s.start:s.end],
-                                           s.cache, index, s.mask, s.causal, attn.scaling) for s in segments], dim=2)
+        out = _segments_attention(q, k, v, segments, index, attn.scaling)
     elif slots is None:
         out = _cached_attention(q, k, v, cache, index, mask, causal, attn.scaling)
     else:
