@@ -1,5 +1,14 @@
 """Specula: lossless speculative decoding for Hugging Face causal language models."""
 
+import os
+
+# Before torch loads: torch's OpenMP runtime and the system one Specula's kernels link each keep their threads
+# spinning between parallel regions, so on a machine whose cores are busy they take the cores from each other: a
+# q4_1 step of SmolLM2 on 2 cores with other work running took 980 ms so, 24 ms with passive waiting
+# (docs/defaults.md). A policy the user set is kept.
+if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+
 from specula.api import Generation, Speculator, StreamChunk
 from specula.errors import SpeculaError
 from specula.methods import build_speculator, load
