@@ -8,8 +8,8 @@ map it (`torch.load(mmap=True)`: its tensors are read as the steps touch them).
 
 The key covers everything the converted tensors depend on: the target's files (size and time of each, and the
 GGUF file it came from), the format and dtype, this machine (`float32_layout.machine_key`: the int4 packing
-differs between CPUs), the torch and transformers versions, and the source of the modules that convert and run
-the weights (`specula/runtime`, `specula/gguf`, `specula/kernels`). A new key replaces the target's older entry in
+differs between CPUs), the torch and transformers versions, and the source of the modules that convert the weights
+and define the saved modules (`SOURCES`). A new key replaces the target's older entry in
 that format. The file holds pickled modules, so it is only read from Specula's own cache, which holds the kernels it
 loads as code already. ``SPECULA_CONVERTED_CACHE=0`` turns it off. A file that cannot be read is converted again.
 """
@@ -32,7 +32,10 @@ from specula.runtime.weights import WeightsReport
 
 ENVIRONMENT_VARIABLE = "SPECULA_CONVERTED_CACHE"
 PACKAGE = Path(__file__).resolve().parent.parent
-SOURCES = ("runtime", "gguf", "kernels")
+# What converts the weights and defines the modules saved (a change to other modules, e.g. the packed forward, keeps
+# the kept conversions).
+SOURCES = ("runtime/weights.py", "runtime/quantized_linear.py", "runtime/streamed_load.py", "runtime/loading.py",
+           "gguf/blocks.py", "gguf/block_embedding.py", "kernels/__init__.py", "kernels/q4_1.py", "kernels/q4_1.cpp")
 WEIGHT_FILES = ("*.safetensors", "*.bin", "config.json")
 
 
@@ -46,10 +49,8 @@ def enabled(weights: str, device: torch.device | str) -> bool:
 def source_digest() -> str:
     """A hash of the modules that convert and run the weights: any change to them converts again."""
     digest = hashlib.sha256()
-    for folder in SOURCES:
-        for file in sorted((PACKAGE / folder).rglob("*")):
-            if file.suffix in (".py", ".cpp") and file.is_file():
-                digest.update(str(file.relative_to(PACKAGE)).encode() + b"\0" + file.read_bytes())
+    for name in SOURCES:
+        digest.update(name.encode() + b"\0" + (PACKAGE / name).read_bytes())
     return digest.hexdigest()
 
 
