@@ -171,10 +171,13 @@ def _read(path: Path) -> dict:
 
 
 def _announce(target: str | Path, entry: dict, path: Path) -> None:
-    timings = ", ".join(f"{fmt} {t['step_ms']:.1f} ms" for fmt, t in entry["formats"].items())
-    print(f"specula: timed the weight formats of {model_name(target)} once on this machine (one-token step of its "
-          f"linears: {timings or 'nothing to time'}); --weights auto means {entry['choice']} here, recorded in {path} "
-          f"(`specula calibrate` runs the full sweep)", file=sys.stderr, flush=True)
+    if entry.get("rule"):
+        how = f"{RULE}, as here"
+    else:
+        timings = ", ".join(f"{fmt} {t['step_ms']:.1f} ms" for fmt, t in entry["formats"].items())
+        how = f"timed once on this machine, one-token step of its linears: {timings or 'nothing to time'}"
+    print(f"specula: --weights auto means {entry['choice']} for {model_name(target)} on this machine ({how}); "
+          f"recorded in {path} (`specula calibrate` runs the full sweep)", file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------- the measurement
