@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 from pathlib import Path
 
@@ -37,6 +38,23 @@ STORY_PROMPTS = [
     "Timmy did not want to share his blocks",
     "The princess looked out of the window",
 ]
+
+
+def one_error(capsys, code: int) -> str:
+    """The single `specula: error:` line of a run that must have failed with exit status 2."""
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("specula: error:")]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, (code, err)
+    return lines[0]
+
+
+def fingerprint(path: Path) -> dict[str, str]:
+    """sha256 of every file under ``path`` (or of ``path`` itself), by relative name: a refused run must leave
+    it unchanged."""
+    if path.is_file():
+        return {"": hashlib.sha256(path.read_bytes()).hexdigest()}
+    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+            for p in sorted(path.rglob("*"))}
 
 
 def copy_dir(source: Path, destination: Path) -> Path:

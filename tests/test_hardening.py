@@ -6,7 +6,6 @@ concurrent stream, prompts at the edge of the context. Each case ends in one `sp
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import math
 import os
@@ -15,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import LLAMA2XS, REPO, STORIES, copy_dir
+from conftest import LLAMA2XS, REPO, STORIES, copy_dir, fingerprint, one_error
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -35,22 +34,6 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 # ---------------------------------------------------------------- helpers
-
-
-def one_error(capsys, code: int) -> str:
-    """The single `specula: error:` line of a run that must have failed with exit status 2."""
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.startswith("specula: error:")]
-    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
-
-
-def fingerprint(path: Path) -> dict[str, str]:
-    """sha256 of every file under ``path`` (or of ``path`` itself), by relative name."""
-    if path.is_file():
-        return {"": hashlib.sha256(path.read_bytes()).hexdigest()}
-    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
-            for p in sorted(path.rglob("*"))}
 
 
 def edit_tensors(file: Path, edit) -> None:

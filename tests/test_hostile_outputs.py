@@ -5,12 +5,11 @@ output (issue 41). One `specula: error:` line, exit 2, the path untouched; their
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
 import pytest
-from conftest import REPO, STORIES, copy_dir
+from conftest import REPO, STORIES, copy_dir, fingerprint, one_error
 
 from specula.cli import main
 from specula.runtime.target import Target
@@ -19,21 +18,6 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 EAGLE3 = REPO / "tests" / "data" / "eagle3-stories260k"
 QUESTION = {"question_id": "q", "category": "story", "prompt": "Once upon a time"}
-
-
-def one_error(capsys, code: int) -> str:
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.startswith("specula: error:")]
-    assert code == 2 and len(lines) == 1 and "Traceback" not in err, (code, err)
-    return lines[0]
-
-
-def fingerprint(path: Path) -> dict[str, str]:
-    """sha256 of every file under ``path`` (or of ``path`` itself), by relative name."""
-    if path.is_file():
-        return {"": hashlib.sha256(path.read_bytes()).hexdigest()}
-    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
-            for p in sorted(path.rglob("*"))}
 
 
 @pytest.fixture
