@@ -69,6 +69,9 @@ def build(kernel: str, source: Path, flags: list[str]) -> None:
         raise SpeculaError(reason)
     directory = build_directory(kernel)
     directory.mkdir(parents=True, exist_ok=True)
+    # Its real path: the source copy's path is written into the build file, and a cache reached through a
+    # symlink (the test suite links the machine's kernels into its own cache) must not look like another build.
+    directory = directory.resolve()
     name = f"specula_{kernel}"
     if not (directory / f"{name}.so").exists():  # a rebuild after a source change is silent, like torch's
         print(f"specula: building the {kernel} kernel once for this machine (about 30 s) in {directory}",
