@@ -4,7 +4,8 @@ Starts `specula serve` on a free 127.0.0.1 port (as `serve_load.py` does), then 
 requests until ``--minutes`` have passed. Each client cycles through three kinds:
 - normal: a streamed chat completion through the official `openai` client; it must finish with tokens;
 - hostile: a request the server must refuse with a 4xx, never a 5xx (malformed JSON, an unknown role, a
-  prompt far longer than the context, a bad sampling value, an empty message list);
+  prompt far longer than the context, a bad sampling value, an empty message list, a body that stops short of
+  its Content-Length and stalls: a 408 after the server's body timeout);
 - cancelled: a streamed completion the client closes after its first chunk.
 Every 5 s it samples the server's resident memory. It prints, and writes to ``--out`` as JSON, the count
 of each kind, the failures (a normal request without tokens, any 5xx, a hostile request not refused, a
@@ -20,6 +21,7 @@ import argparse
 import itertools
 import json
 import signal
+import socket
 import sys
 import threading
 import time
@@ -37,6 +39,7 @@ HOSTILE = (
      None),
     ("bad temperature", {"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, None),
     ("no messages", {"messages": [], "max_tokens": 4}, None),
+    ("body shorter than its Content-Length", b'{"model": "x", "messages": [{"role": "user"', "slow"),
 )
 
 
@@ -45,6 +48,8 @@ def hostile_request(http: httpx.Client, port: int, index: int, model: str) -> di
     what, body, content_type = HOSTILE[index % len(HOSTILE)]
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
     try:
+        if content_type == "slow":
+            return {**stalled_body(port, body), "what": what}
         if isinstance(body, bytes):
             response = http.post(url, content=body, headers={"content-type": content_type})
         else:
@@ -52,6 +57,21 @@ def hostile_request(http: httpx.Client, port: int, index: int, model: str) -> di
         return {"ok": 400 <= response.status_code < 500, "status": response.status_code, "what": what}
     except httpx.HTTPError as err:
         return {"ok": False, "status": None, "what": what, "error": f"{type(err).__name__}: {err}"[:200]}
+
+
+def stalled_body(port: int, part: bytes, promised: int = 4096) -> dict:
+    """A client that promises ``promised`` body bytes, sends ``part`` and waits: the server must answer 408 once
+    its body timeout (30 s by default) passes, without a worker or the model waiting on it meanwhile."""
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\ncontent-type: application/json\r\n"
+            f"content-length: {promised}\r\nconnection: close\r\n\r\n").encode()
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=120) as connection:
+            connection.sendall(head + part)
+            reply = connection.recv(64).decode("latin-1")
+        status = int(reply.split()[1]) if reply.startswith("HTTP/") else None
+        return {"ok": status is not None and 400 <= status < 500, "status": status}
+    except (OSError, ValueError, IndexError) as err:
+        return {"ok": False, "status": None, "error": f"{type(err).__name__}: {err}"[:200]}
 
 
 def cancelled_request(client: OpenAI, model: str, prompt: str) -> dict:
