@@ -84,9 +84,9 @@ def build(kernel: str, source: Path, flags: list[str]) -> None:
 
     # Built from a copy inside the build directory: ninja rebuilds when a source's path changes, and two
     # checkouts of the same version (a repository and its installed wheel) would otherwise do that in turn.
-    copy = directory / source.name
-    if not copy.exists() or copy.read_bytes() != source.read_bytes():
-        atomic_write_bytes(copy, source.read_bytes())
+    copy, text = directory / source.name, source.read_bytes()
+    if not copy.exists() or copy.read_bytes() != text:
+        atomic_write_bytes(copy, text)
     try:
         load_extension(name=name, sources=[str(copy)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                        build_directory=str(directory), is_python_module=False, verbose=False)

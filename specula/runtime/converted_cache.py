@@ -55,9 +55,9 @@ def source_digest() -> str:
 
 
 def entry_path(model_dir: Path, name: str, weights: str, dtype: torch.dtype, gguf_file: Path | None) -> Path:
-    import transformers
-
     """Where the model in ``model_dir`` converted to ``weights`` is kept (see the module docstring for the key)."""
+    import transformers  # only here: a load that keeps no conversion need not import it
+
     files = {f for pattern in WEIGHT_FILES for f in model_dir.glob(pattern)}
     if gguf_file is not None:
         files.add(Path(gguf_file))

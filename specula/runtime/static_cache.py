@@ -71,13 +71,18 @@ class StaticKVCache:
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store a block's keys/values [1, n_kv, n, d] after the prefix; returns views of everything so far."""
-        end = self.length + keys.shape[2]
-        if end > self.allocated:
-            self.reserve(end)
+        end = self.open_block(keys.shape[2])
         self.keys[layer][:, :, self.length:end] = keys
         self.values[layer][:, :, self.length:end] = values
-        self.block = keys.shape[2]
         return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+    def open_block(self, n: int) -> int:
+        """Make room for a block of ``n`` entries after the prefix and mark it provisional; returns its end slot."""
+        end = self.length + n
+        if end > self.allocated:
+            self.reserve(end)
+        self.block = n
+        return end
 
     def truncate(self, length: int) -> None:
         self.length = min(length, self.length)
@@ -266,23 +271,24 @@ def _segments_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segme
     """Attention of a packed block: q [1, H, N, d], k, v [1, H_kv, N, d] over ``segments`` (each sequence's rows and
     cache, layer ``index``). Chain segments the kernel takes go through one `packed_attention` call (each row's
     bits those of its own `_cached_attention`); the others, one call each."""
-    chains = [s for s in segments if s.chain and s.end - s.start <= KERNEL_ROWS]
+    def alone(s: Segment) -> torch.Tensor:
+        return _cached_attention(q[:, :, s.start:s.end], k[:, :, s.start:s.end], v[:, :, s.start:s.end], s.cache,
+                                 index, s.mask, s.causal, scale)
+
+    together = [s.chain and s.end - s.start <= KERNEL_ROWS for s in segments]
+    chains = [s for s, joins in zip(segments, together, strict=True) if joins]
     # The forks of one target share a dtype and device: one sequence's cache answers for all.
     kernel = _attention_kernel(q[:, :, :1], chains[0].cache.keys[index]) if chains else None
     packed = None if kernel is None else packed_attention_kernel()
     if packed is None:
-        return torch.cat([_cached_attention(q[:, :, s.start:s.end], k[:, :, s.start:s.end], v[:, :, s.start:s.end],
-                                            s.cache, index, s.mask, s.causal, scale) for s in segments], dim=2)
-    for s in chains:  # what StaticKVCache.write does before it stores a block
-        s.cache.reserve(s.cache.length + s.end - s.start)
-        s.cache.block = s.end - s.start
+        return torch.cat([alone(s) for s in segments], dim=2)
+    for s in chains:  # the kernel stores each block where StaticKVCache.write would
+        s.cache.open_block(s.end - s.start)
     out = packed(q, k, v, [s.cache.keys[index] for s in chains], [s.cache.values[index] for s in chains],
                  [s.start for s in chains], [s.end for s in chains], [s.cache.length for s in chains], scale)
-    for s in segments:
-        if not (s.chain and s.end - s.start <= KERNEL_ROWS):
-            out[:, :, s.start:s.end] = _cached_attention(q[:, :, s.start:s.end], k[:, :, s.start:s.end],
-                                                         v[:, :, s.start:s.end], s.cache, index, s.mask, s.causal,
-                                                         scale)
+    for s, joins in zip(segments, together, strict=True):
+        if not joins:
+            out[:, :, s.start:s.end] = alone(s)
     return out
 
 
