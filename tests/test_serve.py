@@ -517,12 +517,12 @@ def test_serve_command_listens_on_localhost_with_the_settings_given(monkeypatch)
     monkeypatch.setattr(specula.serve, "serve", lambda app, **where: served.update(app=app, **where))
     assert main(["serve", "--target", str(STORIES), "--method", "pld", "--dtype", "float32", "--api-key", "k",
                  "--max-queue", "3", "--max-tokens-limit", "50", "--model-name", "tiny", "--no-profile",
-                 "--max-batch", "4", "--draft-budget", "1:6,2:1,4:0"]) == 0
+                 "--max-batch", "4", "--draft-budget", "1:6,2:1,4:0", "--body-timeout", "5"]) == 0
     settings = served["app"].state.specula.settings
     assert (served["host"], served["port"]) == ("127.0.0.1", 8000)
     assert (settings.api_key, settings.max_queue, settings.max_tokens_limit, settings.model_name) == ("k", 3, 50,
                                                                                                        "tiny")
-    assert (settings.max_batch, settings.draft_budget) == (4, {1: 6, 2: 1, 4: 0})
+    assert (settings.max_batch, settings.draft_budget, settings.body_timeout_s) == (4, {1: 6, 2: 1, 4: 0}, 5.0)
 
 
 def test_serve_command_refuses_bad_options_before_loading(monkeypatch, capsys):
@@ -534,8 +534,10 @@ def test_serve_command_refuses_bad_options_before_loading(monkeypatch, capsys):
     assert main(["serve", "--draft-budget", "2:4"]) == 2  # says nothing of batch size 1
     assert main(["serve", "--max-batch", "0"]) == 2
     assert main(["serve", "--compile"]) == 2  # a compiled step decodes one sequence at a time
+    assert main(["serve", "--body-timeout", "0"]) == 2
+    assert main(["serve", "--body-timeout", "nan"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 5 and all(line.startswith("specula: error:") for line in lines)
+    assert len(lines) == 7 and all(line.startswith("specula: error:") for line in lines)
 
 
 # ---------------------------------------------------------------- one request cannot stall the others

@@ -19,12 +19,14 @@ from specula.errors import SpeculaError
 from specula.methods import DEFAULT_TARGET, build_speculator
 from specula.runtime.compiled_step import WARM_UP_BLOCK
 from specula.runtime.profile import load_profile
+from specula.serve import BODY_TIMEOUT_S
 from specula.serve.budget import DEFAULT_MAX_BATCH, parse_budget_table
 
 API_KEY_ENV = "SPECULA_API_KEY"
 
 
 port_number = number_in(int, 0, 65535, "a port number")
+body_seconds = number_in(float, 1.0, 3600.0, "a number of seconds")
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -48,6 +50,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                         "measured verify cost and the acceptance seen on served requests)")
     p.add_argument("--max-tokens-limit", type=positive_int, metavar="N",
                    help="largest max_tokens a request may ask for (default: the model's context)")
+    p.add_argument("--body-timeout", type=body_seconds, default=BODY_TIMEOUT_S, metavar="SECONDS",
+                   help="a request body must arrive whole within this; a slower one gets HTTP 408 "
+                        "(default: %(default)s)")
     p.add_argument("--model-name", metavar="NAME", help="the model id clients send (default: the target's name)")
     p.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info",
                    help="uvicorn's log level (default: %(default)s)")
@@ -81,7 +86,7 @@ def run_serve(args: argparse.Namespace) -> int:
             speculator.target.warm_up(WARM_UP_BLOCK, speculator.drafter.features)
         settings = ServeSettings(model_name=args.model_name, api_key=args.api_key, max_queue=args.max_queue,
                                  max_tokens_limit=args.max_tokens_limit, max_batch=args.max_batch,
-                                 draft_budget=args.draft_budget,
+                                 draft_budget=args.draft_budget, body_timeout_s=args.body_timeout,
                                  verify_curve=None if args.no_profile else profile_curve(speculator.target))
         serve(create_app(speculator, settings), host=args.host, port=args.port, log_level=args.log_level, sock=sock)
     finally:  # also when loading fails: main() may run inside a larger program

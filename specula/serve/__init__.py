@@ -16,6 +16,10 @@ _EXPORTS = {"ServeSettings": "app", "create_app": "app", "BatchedEngine": "engin
             "bind_socket": "runner"}
 __all__ = sorted(_EXPORTS)
 
+# A request body not whole within this many seconds is a 408: a slow or stalled client holds no slot forever
+# (`ServeSettings.body_timeout_s`, `specula serve --body-timeout`).
+BODY_TIMEOUT_S = 30.0
+
 
 def __getattr__(name: str):
     if name not in _EXPORTS:

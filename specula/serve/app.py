@@ -25,6 +25,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from specula.errors import SpeculaError
 from specula.sampling import SamplingParams, check_seed
+from specula.serve import BODY_TIMEOUT_S
 from specula.serve.body import read_body
 from specula.serve.budget import DEFAULT_MAX_BATCH, DraftBudget
 from specula.serve.engine import BatchedEngine
@@ -68,7 +69,7 @@ class ServeSettings:
     verify_curve: dict[int, float] | None = None  # {tokens: seconds per forward} (calibrate's); None: measured
     retry_after_s: int = 1
     max_body_bytes: int = 8 * 2**20
-    body_timeout_s: float = 30.0  # a body not whole by then is a 408: a slow or stalled client holds no slot forever
+    body_timeout_s: float = BODY_TIMEOUT_S
 
 
 @dataclass
