@@ -77,6 +77,15 @@ def test_stories_verify_rows_equal_one_token_steps(fmt):
 
 @needs_attention
 @pytest.mark.parametrize("fmt", [format_param(f) for f in ("float32", "q4_1")])
+def test_compiled_verify_rows_equal_compiled_one_token_steps(fmt):
+    """--compile: every block size (bucket) gives each row the bits of the compiled one-token step."""
+    target = Target.load(STORIES, dtype="float32", weights=fmt)
+    target.compile()
+    assert check_target(target, [1, 2, 3, 4, 5, 8, 11, 16, 24, 33, 48, 64]) == {}
+
+
+@needs_attention
+@pytest.mark.parametrize("fmt", [format_param(f) for f in ("float32", "q4_1")])
 def test_a_packed_sequences_rows_equal_its_block_alone_and_its_one_token_steps(fmt):
     """The server's packed step: a sequence's rows must not depend on which other sequences share the step."""
     base = Target.load(STORIES, dtype="float32", weights=fmt)
@@ -136,6 +145,15 @@ def smollm2_path(smollm2):
 def test_smollm2_verify_rows_equal_one_token_steps(smollm2_path, fmt):
     target = Target.load(smollm2_path, dtype="float32", weights=fmt)
     assert check_target(target, [1, 2, 3, 4, 5, 8, 11, 16, 64]) == {}
+
+
+@needs_attention
+@pytest.mark.parametrize("fmt", [format_param("q4_1")])
+def test_smollm2_compiled_verify_rows_equal_compiled_one_token_steps(smollm2_path, fmt):
+    """The default model in the fast path (q4_1, --compile): the block sizes the default methods verify."""
+    target = Target.load(smollm2_path, dtype="float32", weights=fmt)
+    target.compile()
+    assert check_target(target, [1, 4, 11]) == {}
 
 
 @needs_attention

@@ -132,9 +132,10 @@ def add_weights_argument(p: argparse.ArgumentParser, default: str | None = "auto
                         "once per machine and target and cached (default: auto)")
 
 
-COMPILE_HELP = ("compile the target's decode and verify steps with torch.compile (Llama-family targets): "
-                "faster steps after a one-off compilation of about a minute per block size on a small CPU, so "
-                "it pays off on long runs (bench, serve), not on one short answer")
+COMPILE_HELP = ("compile the target's decode and verify steps with torch.compile (Llama-family targets): one "
+                "decoder layer's graph per block size, built once (~15 s for the first size on a small CPU, a few "
+                "seconds for each next one) and read back from the cache after (~3 s at start): it pays off on "
+                "long runs (chat, bench, serve), not on one short answer")
 
 
 def add_compile_argument(p: argparse.ArgumentParser, default: bool | None = False) -> None:

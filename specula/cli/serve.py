@@ -81,8 +81,8 @@ def run_serve(args: argparse.Namespace) -> int:
                                       device=args.device, profile=not args.no_profile, weights=args.weights,
                                       compile=args.compile, **method_options(args))
         if speculator.target.compiled:  # before serving: no request should wait for a compilation
-            print(f"{PROG}: compiling the target's steps (blocks of up to {WARM_UP_BLOCK} tokens; about two "
-                  "minutes per size the first time on a small CPU)", file=sys.stderr, flush=True)
+            print(f"{PROG}: compiling the target's steps (blocks of up to {WARM_UP_BLOCK} tokens; about half a "
+                  "minute the first time on a small CPU)", file=sys.stderr, flush=True)
             speculator.target.warm_up(WARM_UP_BLOCK, speculator.drafter.features)
         settings = ServeSettings(model_name=args.model_name, api_key=args.api_key, max_queue=args.max_queue,
                                  max_tokens_limit=args.max_tokens_limit, max_batch=args.max_batch,

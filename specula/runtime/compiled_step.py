@@ -1,42 +1,62 @@
 """The Llama-family target's decode and verify step under `torch.compile`, with static shapes, and an
 EAGLE head's draft step alongside it (`HeadStep`).
 
-In eager mode a one-token step of a small model is largely Python and dispatcher overhead: on
-SmolLM2-135M in int4 (2 threads) the matmul kernels take about 12 ms of a 27 ms step and some
-3,000 small operations the rest. Compiled (Inductor), the norms, rotary embedding, casts and
-residual adds fuse into a few kernels. Measured on this project's reference CPU (interleaved
-medians, cache of 1,024 slots, 300-token prefix): int4 one token 29.0 -> 24.2 ms, 4 tokens 38.4 ->
-32.9 ms; q4_1 one token 19.8 -> 12.2 ms, 4 tokens 28.6 -> 21.0 ms (its kernel is an op the graph
-calls; of the 12.2 ms, 5 ms are that kernel, 3.5 ms attention, 1.4 ms dynamo's guard checks). In
-`specula bench` (MT-bench, 8 questions, both turns) compiled q4_1 vanilla decodes 88.5 tokens/s,
-llama.cpp on the same GGUF 84.1. The cost is compilation: about 2 min per new shape on 2 cores (the
-C++ wrapper included), seconds once Inductor's on-disk cache holds it; a tree method meets several
-block sizes. So it is opt-in (`--compile`): it pays off only in long-running
-processes (bench, serve) whose shapes have all been compiled.
+In eager mode a one-token step of a small model is largely Python and dispatcher overhead: on SmolLM2-135M a
+one-token q4_1 step (1 thread, 300 cached tokens) takes about 20 ms eager, of which the q4_1 kernels are ~9 ms
+and some 3,000 small operations the rest. Compiled (Inductor), the norms, rotary embedding, casts and residual
+adds fuse into a few kernels.
+
+**Regional compilation.** What is compiled is one decoder layer's step (`slot_layer_step`), and that one graph
+runs every layer: the layers share their code and shapes, and their weights reach the graph as inputs (the
+modules' guards are off). Measured on this project's reference CPU (AMD EPYC, 1 thread, SmolLM2 q4_1, cache of
+1,024 slots, 300-token prefix, `TORCHINDUCTOR_CACHE_DIR` empty for "cold"):
+
+    graph               first block size cold / warm   next size cold / warm   1-token / 12-token step
+    whole model         98.7 s / 7.6 s                 91.1 s / 5.3 s          12.4 / 24.5 ms
+    one layer (here)    12.7 s / 2.6 s                 3.5 s / 0.3 s           14.2 / 26.8 ms
+    eager               -                              -                       19-20 / 32-40 ms
+
+A whole-model graph is 1.8 ms a step faster (30 calls into a compiled layer cost ~60 us each in guards and
+wrappers; the table's layer graph ran without its module guards, which `compiled` keeps for 0.8 ms more), but
+its C++ wrapper compiled for 70-90 s per block size, so a tree method meeting five sizes waited eight minutes
+before its first answer. One layer's graph compiles in seconds, and Inductor's cache (kept in Specula's cache
+directory, `inductor_cache`) gives it back in well under a second per size.
 
 Static shapes keep it to a few compilations (the gpt-fast recipe):
 - a block of n tokens is padded to the next size in `BLOCK_BUCKETS` (padding rows attend only to
   themselves and write cache slots past the block, which `commit` never keeps);
-- the graph sees the whole allocated cache (with a mask), so the committed length is data, not a
-  shape; attention goes through an op the compiler does not trace (`static_cache.slot_attention`),
-  which attends over the committed slots only; a graph is compiled per (bucket, allocated cache size,
-  feature request), and the cache grows in large steps. Bench and serve compile the usual sizes
+- the graph sees the layer's whole allocated cache (with a mask), so the committed length is data, not a
+  shape; attention goes through an op the compiler does not trace (`static_cache.slot_attention`, or the
+  cached-attention kernel), which attends over the committed slots only; a graph is compiled per (bucket,
+  allocated cache size), and the cache grows in large steps. Bench and serve compile the usual sizes
   before their first request (`Target.warm_up`).
 Prefills (a block into an empty cache), longer blocks and sliding-window models run the eager step.
 
-The compiled graph rounds differently from the eager one (Inductor reorders reductions and keeps
-fused intermediates in registers), so a compiled target is, like a quantized one, its own "target":
-vanilla and every method run the same compiled steps, and losslessness is checked against that
-(greedy equality, near-ties classified by `specula check`).
+The compiled graph rounds differently from the eager one (Inductor fuses the norms and keeps intermediates in
+registers), so a compiled target is, like a quantized one, its own "target": vanilla and every method run the
+same compiled steps, and losslessness is checked against that. Each row of a compiled block gets the bits a
+compiled one-token step gives it (`tests/test_row_invariance.py`).
 """
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from specula.kernels.attention import kernel as attention_kernel
-from specula.runtime.static_cache import SlotBlock, StaticKVCache, block_attention_mask
+from specula.runtime.model_source import cache_dir
+from specula.runtime.static_cache import (
+    FusedProjections,
+    SlotBlock,
+    StaticKVCache,
+    block_attention_mask,
+    layer_output,
+    layer_projections,
+    slot_block_attention,
+)
 
 BLOCK_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 CACHE_STEP = 1024  # KV slots: the compiled step's cache grows in these steps (each size compiles anew)
@@ -51,20 +71,33 @@ def bucket(n: int) -> int | None:
     return next((size for size in BLOCK_BUCKETS if size >= n), None)
 
 
-def compiled(function, device: torch.device):
-    """``function`` under `torch.compile` with static shapes and the options every compiled step here uses."""
-    # On a CPU, Inductor's C++ wrapper calls the step's kernels from C++ rather than from generated
-    # Python: SmolLM2 q4_1 one-token step 11.2 -> 9.4-10.3 ms (each new shape takes ~2 min to build cold,
-    # seconds from Inductor's cache after).
+def inductor_cache() -> Path:
+    """Where Inductor keeps what it compiled: ``$TORCHINDUCTOR_CACHE_DIR`` where the user set it, else (set now, as
+    `specula` does on import) ``inductor/`` in Specula's cache (`cache_dir`), not a temporary directory a reboot
+    may clear. The tests' cache directory shares it with the machine's: it is keyed by content."""
+    chosen = os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+    return Path(chosen)
+
+
+def compiled(function, device: torch.device, guard_modules: bool = False):
+    """``function`` under `torch.compile` with static shapes and the options every compiled step here uses.
+
+    ``guard_modules``: keep dynamo's guards on the modules the function is given. A graph that runs one module
+    (a head) need not check it again on every call (its weights never change once compiled; ~1 ms a step when
+    the whole model was one graph). A graph that every decoder layer shares must: the guards are what tells a
+    layer of another structure (e.g. one whose linears stayed float32 where the others are q4_1) to compile its
+    own graph rather than run one traced for a different layer (measured, SmolLM2 q4_1: 15.0 ms a one-token step
+    guarded, 14.2 without).
+    """
+    # On a CPU, Inductor's C++ wrapper calls the step's kernels from C++ rather than from generated Python
+    # (SmolLM2 q4_1, one-layer graph: one-token step 15.0 -> 14.2 ms, compile time the same).
     options = {"cpp_wrapper": True} if device.type == "cpu" else {}
-    # No guards on the model's modules (their weights never change once a target is compiled; the KV
-    # cache, block shapes and feature requests, which do, stay guarded): every step evaluated ~1 ms of
-    # them (median of 3 interleaved runs 10.2 -> 9.3 ms).
     unguarded = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)  # not in older torch
-    if unguarded is not None:
+    if unguarded is not None and not guard_modules:
         options["guard_filter_fn"] = unguarded
     attention_kernel()  # decided (and built) before tracing: the graph reads the answer
-    # One graph per block size, cache size and feature request: more than dynamo's default limit of 8.
+    # One graph per block size and cache size (and, for a head, feature request), for each model structure a
+    # process meets (the layer graph is one function for every target): more than dynamo's default of 8.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     return torch.compile(function, fullgraph=True, dynamic=False, options=options)
 
@@ -100,12 +133,24 @@ def padded_block(cache: StaticKVCache, positions: torch.Tensor,
     return slots, positions, mask[None, None]
 
 
+def slot_layer_step(layer: torch.nn.Module, fused: FusedProjections, x: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                    slots: SlotBlock, apply_rope) -> torch.Tensor:
+    """One decoder layer over a padded block x [1, n, H] whose keys and values go to ``slots`` of that layer's
+    ``keys``/``values`` [1, H_kv, allocated, d]: the region compiled once and run for every layer (`CompiledStep`).
+    ``mask`` [1, 1, n, allocated] as `padded_block` builds it; cos, sin: the block's rotary tables."""
+    q, k, v = layer_projections(layer, x, cos, sin, apply_rope, None, fused)
+    attended = slot_block_attention(q, k, v, keys, values, mask, slots, layer.self_attn.scaling)
+    return layer_output(layer, x, attended, fused)
+
+
 class CompiledStep:
-    """Runs a `LlamaFamilyRuntime`'s forward for blocks of up to `BLOCK_BUCKETS[-1]` tokens, compiled."""
+    """Runs a `LlamaFamilyRuntime`'s forward for blocks of up to `BLOCK_BUCKETS[-1]` tokens, each decoder layer
+    through one compiled graph (`slot_layer_step`); the embedding, final norm and LM head stay eager."""
 
     def __init__(self, runtime):
         self.runtime = runtime
-        self.graph = compiled(self._graph, runtime.cache.keys[0].device)
+        self.layer_step = compiled(slot_layer_step, runtime.cache.keys[0].device, guard_modules=True)
         # Each allocated cache size is a shape: grow in large steps, so that a chat stays on one or two.
         runtime.cache.slot_step = max(runtime.cache.slot_step, CACHE_STEP)
 
@@ -121,12 +166,9 @@ class CompiledStep:
                                                                                      block_mask))
         tokens = F.pad(tokens, (0, positions.shape[0] - n))
         runtime.refresh_fused()  # before the graph reads the stacks
-        out = self.graph(tokens, slots, positions, mask, features)
+        out = runtime.run(tokens, positions, {None: mask}, False, features, slots, layer_step=self.layer_step)
         cache.block = n
         return out.select(slice(0, n))
-
-    def _graph(self, tokens, slots, positions, mask, features):
-        return self.runtime.run(tokens, positions, {None: mask}, False, features, slots)
 
 
 def head_step(head, features: torch.Tensor, token_embeds: torch.Tensor, positions: torch.Tensor,

@@ -135,12 +135,12 @@ class LlamaFamilyRuntime:
 
     def run(self, tokens, positions, masks: dict, causal: bool, features: FeatureRequest,
             slots: SlotBlock | None = None, segments: dict | None = None,
-            logit_rows: torch.Tensor | None = None) -> ForwardOutput:
+            logit_rows: torch.Tensor | None = None, layer_step=None) -> ForwardOutput:
         """The decoder over a block: ``masks`` per attention window (`block_attention_mask`), ``slots`` as in
         `decoder_layer_step`, or ``segments`` (per attention window, a list of `Segment`) for a block that packs
         several sequences; the stacked projections as `refresh_fused` left them; ``logit_rows`` [r]: the only
-        block rows whose logits are wanted (None: all). Plain tensor code from embedding to logits, so that it
-        compiles whole."""
+        block rows whose logits are wanted (None: all); ``layer_step``: a compiled decoder layer
+        (`compiled_step.slot_layer_step`) run for every layer of a ``slots`` block instead of `decoder_layer_step`."""
         base = self.model.model
         x = base.embed_tokens(tokens[None])
         cos, sin = base.rotary_emb(x, positions[None])
@@ -148,6 +148,10 @@ class LlamaFamilyRuntime:
         for i, layer in enumerate(self.layers):
             if i in features.layer_inputs:
                 layer_inputs[i] = x[0]
+            if layer_step is not None:
+                x = layer_step(layer, self.fused[i], x, cos, sin, self.cache.keys[i], self.cache.values[i],
+                               masks[None], slots, self.apply_rope)
+                continue
             window = self.windows[i]
             x = decoder_layer_step(layer, x, cos, sin, self.cache, i, masks.get(window), causal, self.apply_rope,
                                    fused=self.fused[i], slots=slots, segments=segments and segments[window])

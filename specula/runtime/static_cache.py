@@ -292,22 +292,11 @@ def _segments_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segme
     return out
 
 
-def decoder_layer_step(layer: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                       cache: StaticKVCache, index: int, mask: torch.Tensor | None, causal: bool,
-                       apply_rope, attention_input: torch.Tensor | None = None,
-                       fused: FusedProjections | None = None, slots: SlotBlock | None = None,
-                       segments: list[Segment] | None = None) -> torch.Tensor:
-    """One `transformers` Llama-style decoder layer on a block x [1, n, H] using ``cache`` layer ``index``.
-
-    ``causal`` asks SDPA for a causal mask when ``mask`` is None (a prefill from an empty cache).
-    ``attention_input`` replaces the normalised x as input of q/k/v (EAGLE-3 feeds a wider one there).
-    ``fused``: the layer's stacked projections (built from this layer), or None to call each linear.
-    ``slots``: write the block to these cache slots and attend up to the last of them (`slot_attention`;
-    ``mask`` covers the whole allocation), so that the committed length is data rather than a shape
-    (`specula.runtime.compiled_step`); None: write after the committed prefix and attend over it.
-    ``segments``: x packs several sequences' blocks; each attends over its own cache (``cache``, ``mask`` and
-    ``causal`` are then unused).
-    """
+def layer_projections(layer: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, apply_rope,
+                      attention_input: torch.Tensor | None = None, fused: FusedProjections | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decoder layer's queries [1, H, n, d], keys and values [1, H_kv, n, d] of a block x [1, n, H], rotary
+    applied (the first part of `decoder_layer_step`)."""
     attn = layer.self_attn
     n = x.shape[1]
     h = layer.input_layernorm(x) if attention_input is None else attention_input
@@ -320,20 +309,26 @@ def decoder_layer_step(layer: torch.nn.Module, x: torch.Tensor, cos: torch.Tenso
     if hasattr(attn, "q_norm"):  # Qwen3 normalises each head before rotary
         q, k = attn.q_norm(q), attn.k_norm(k)
     q, k = apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-    v = v.transpose(1, 2)
-    if segments is not None:
-        # The linears above and below ran over every sequence's rows at once; attention is per sequence.
-        out = _segments_attention(q, k, v, segments, index, attn.scaling)
-    elif slots is None:
-        out = _cached_attention(q, k, v, cache, index, mask, causal, attn.scaling)
-    else:
-        keys, values = cache.keys[index], cache.values[index]
-        keys.index_copy_(2, slots.indices, k)
-        values.index_copy_(2, slots.indices, v)
-        kernel = _attention_kernel(q, keys)
-        attend = slot_attention if kernel is None else kernel  # both read only the slots before slots.end
-        out = attend(q, keys, values, mask, slots.end, attn.scaling)
-    x = x + attn.o_proj(out.transpose(1, 2).reshape(1, n, -1))
+    return q, k, v.transpose(1, 2)
+
+
+def slot_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                         mask: torch.Tensor, slots: SlotBlock, scale: float) -> torch.Tensor:
+    """Write a block's k, v [1, H_kv, n, d] to ``slots`` of one layer's ``keys``/``values`` [1, H_kv, allocated, d]
+    and attend q [1, H, n, d] over the slots before ``slots.end`` as ``mask`` [1, 1, n, allocated] allows."""
+    keys.index_copy_(2, slots.indices, k)
+    values.index_copy_(2, slots.indices, v)
+    kernel = _attention_kernel(q, keys)
+    attend = slot_attention if kernel is None else kernel  # both read only the slots before slots.end
+    return attend(q, keys, values, mask, slots.end, scale)
+
+
+def layer_output(layer: torch.nn.Module, x: torch.Tensor, attended: torch.Tensor,
+                 fused: FusedProjections | None = None) -> torch.Tensor:
+    """The layer's output [1, n, H] for its input x [1, n, H] and attention output ``attended`` [1, H, n, d]: output
+    projection, residual, MLP, residual (the last part of `decoder_layer_step`)."""
+    attn, n = layer.self_attn, x.shape[1]
+    x = x + attn.o_proj(attended.transpose(1, 2).reshape(1, n, -1))
     h = layer.post_attention_layernorm(x)
     mlp = layer.mlp
     if fused is not None and fused.gate_up is not None:
@@ -343,3 +338,32 @@ def decoder_layer_step(layer: torch.nn.Module, x: torch.Tensor, cos: torch.Tenso
     else:
         return x + mlp(h)
     return x + mlp.down_proj(rowwise(mlp.act_fn, gate) * up)
+
+
+def decoder_layer_step(layer: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       cache: StaticKVCache, index: int, mask: torch.Tensor | None, causal: bool,
+                       apply_rope, attention_input: torch.Tensor | None = None,
+                       fused: FusedProjections | None = None, slots: SlotBlock | None = None,
+                       segments: list[Segment] | None = None) -> torch.Tensor:
+    """One `transformers` Llama-style decoder layer on a block x [1, n, H] using ``cache`` layer ``index``.
+
+    ``causal`` asks SDPA for a causal mask when ``mask`` is None (a prefill from an empty cache).
+    ``attention_input`` replaces the normalised x as input of q/k/v (EAGLE-3 feeds a wider one there).
+    ``fused``: the layer's stacked projections (built from this layer), or None to call each linear.
+    ``slots``: write the block to these cache slots and attend up to the last of them (`slot_block_attention`;
+    ``mask`` covers the whole allocation), so that the committed length is data rather than a shape
+    (`specula.runtime.compiled_step`); None: write after the committed prefix and attend over it.
+    ``segments``: x packs several sequences' blocks; each attends over its own cache (``cache``, ``mask`` and
+    ``causal`` are then unused).
+    """
+    q, k, v = layer_projections(layer, x, cos, sin, apply_rope, attention_input, fused)
+    scale = layer.self_attn.scaling
+    if segments is not None:
+        # The linears above and below ran over every sequence's rows at once; attention is per sequence.
+        out = _segments_attention(q, k, v, segments, index, scale)
+    elif slots is None:
+        out = _cached_attention(q, k, v, cache, index, mask, causal, scale)
+    else:
+        out = slot_block_attention(q, k, v, cache.keys[index], cache.values[index], mask, slots, scale)
+    return layer_output(layer, x, out, fused)
+

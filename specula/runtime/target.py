@@ -92,7 +92,8 @@ class Target:
         features a drafter asks for, at the cache size a generation of up to `CACHE_STEP` tokens allocates.
 
         Nothing to do unless the target is `compile`d. For a benchmark or a server, so that no timed request
-        pays for a compilation (~2 min per shape cold on 2 cores, seconds from Inductor's on-disk cache).
+        pays for a compilation (~15 s for the first shape cold on a small CPU, seconds for each next one and
+        from Inductor's on-disk cache).
         Leaves the cache empty.
         """
         if not self.compiled:
