@@ -318,3 +318,29 @@ def test_generate_takes_the_hardware_profile_unless_told_not_to(capfd, tmp_path,
     assert code == 0 and max(json.loads(out)["tree_sizes"]) == 3  # explicit beats the profile
     code, out, _ = run(capfd, *common, "--no-profile")
     assert code == 0 and max(json.loads(out)["tree_sizes"]) > 3  # the method's own default
+
+
+def test_decoding_commands_default_to_one_thread_on_a_machine_of_two_cpus():
+    """On 2 CPUs one torch thread decoded faster than two, idle or busy (docs/defaults.md, "Threads")."""
+    from specula.cli.common import default_threads
+
+    assert default_threads(1) == default_threads(2) == 1
+    assert default_threads(16) is None  # torch's own choice
+
+
+def test_generate_runs_on_the_threads_asked_and_gives_the_setting_back(monkeypatch):
+    from specula.errors import SpeculaError
+
+    seen = []
+
+    def stop(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        raise SpeculaError("stopped before loading")
+
+    monkeypatch.setattr(specula.cli.generate, "build_speculator", stop)
+    before = torch.get_num_threads()
+    target = 2 if before == 1 else 1
+    assert main(["generate", "--prompt", "hi", "--threads", str(target)]) == 2
+    assert seen == [target] and torch.get_num_threads() == before
+    assert main(["generate", "--prompt", "hi", "--threads", "0"]) == 2  # refused by argparse
+    assert seen == [target]

@@ -20,6 +20,7 @@ from specula.cli.common import (
     EXIT_INTERRUPTED,
     PROG,
     ArgumentParser,
+    command_threads,
     report_error,
     report_os_error,
 )
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         given = sys.argv[1:] if argv is None else argv
         # The top-level parser takes no option but --help, so the first other word names the subcommand.
         args = build_parser(next((word for word in given if not word.startswith("-")), None)).parse_args(argv)
-        with quiet_libraries():
+        with quiet_libraries(), command_threads(args):
             return args.handler(args)
     except SpeculaError as err:
         return report_error(str(err))

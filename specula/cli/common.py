@@ -4,8 +4,11 @@ method options, which are generated from the method registry's schemas so help a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
+import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import NoReturn
 
@@ -169,6 +172,32 @@ def method_options(args: argparse.Namespace) -> dict:
     return {**given, "acceptance": args.acceptance}
 
 
+# Machines with at most this many CPUs decode on one torch thread unless --threads says otherwise: a step of a small
+# model is many small operations, and a second thread woke for each of them (docs/defaults.md, "Threads").
+ONE_THREAD_UP_TO_CPUS = 2
+
+
+def default_threads(cpus: int | None = None) -> int | None:
+    """The torch threads a decoding command runs on unless --threads is given: 1 on a machine of at most
+    `ONE_THREAD_UP_TO_CPUS` CPUs (``cpus``, default `os.cpu_count`), else None (torch's own choice)."""
+    cpus = os.cpu_count() if cpus is None else cpus
+    return 1 if cpus is not None and cpus <= ONE_THREAD_UP_TO_CPUS else None
+
+
+@contextlib.contextmanager
+def command_threads(args: argparse.Namespace) -> Iterator[None]:
+    """Run a command on its ``--threads`` (absent or None: torch's current setting); the previous setting comes
+    back afterwards, for callers of main() inside a larger program."""
+    threads, previous = getattr(args, "threads", None), torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        if threads:
+            torch.set_num_threads(previous)
+
+
 def add_model_arguments(p: argparse.ArgumentParser, default_target: Path, method_required: bool = False) -> None:
     """The target, the method and its draft, and how to load them: shared by generate, chat, check and serve."""
     p.add_argument("--target", type=Path, default=default_target, metavar="MODEL", help=TARGET_HELP)
@@ -184,5 +213,8 @@ def add_model_arguments(p: argparse.ArgumentParser, default_target: Path, method
     p.add_argument("--device", type=device_name, default="cpu", help="torch device (default: %(default)s)")
     p.add_argument("--no-profile", action="store_true",
                    help="ignore the hardware profile `specula calibrate` wrote for this target")
+    p.add_argument("--threads", type=positive_int, default=default_threads(), metavar="N",
+                   help="torch threads (default: 1 on a machine of at most 2 CPUs, where one decoded faster than "
+                        "two, else torch's setting)")
     add_weights_argument(p)
     add_compile_argument(p)
