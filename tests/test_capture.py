@@ -198,4 +198,8 @@ def test_smollm2_generated_data_trains_an_eagle3_head_from_the_cli(smollm2, tmp_
          "--ttt-steps", "2", "--draft-vocab-size", "256"], cwd=REPO, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
     assert (out / "model.safetensors").is_file()
-    assert json.loads((data / "run.json").read_text())["components"]["target"]["format"] == weights
+    components = json.loads((data / "run.json").read_text())["components"]
+    assert components["target"]["format"] == weights
+    # --gen-answer-tokens caps every kind of job, the longer kinds in proportion (1.6x, 1.2x)
+    mix = components["mix"]
+    assert (mix["answer_tokens"], mix["long_tokens"], mix["document_tokens"]) == (16, 26, 19)

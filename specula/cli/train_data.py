@@ -15,7 +15,7 @@ from specula.heads.eagle3_head import default_feature_layers, fused_feature_requ
 from specula.methods import DEFAULT_TARGET
 from specula.runtime.target import FeatureRequest, Target
 from specula.runtime.weights import WEIGHT_FORMATS
-from specula.training.conversations import JobMaker, PromptMix
+from specula.training.conversations import DOCUMENT_ANSWER_SCALE, LONG_ANSWER_SCALE, JobMaker, PromptMix
 from specula.training.generated import FEATURE_DTYPES, RUN_FILE, GenerationOptions, default_weights, generate_data
 from specula.training.recipe import generated_sets
 from specula.training.records import has_chat_template
@@ -43,7 +43,8 @@ def add_generation_arguments(p: argparse.ArgumentParser, standalone: bool = Fals
     p.add_argument("--gen-max-length", type=positive_int, default=4096, metavar="N",
                    help="longest conversation in tokens (default: %(default)s)")
     p.add_argument("--gen-answer-tokens", type=positive_int, default=640, metavar="N",
-                   help="longest ordinary answer (default: %(default)s; long-answer jobs 1024, documents 768)")
+                   help="longest ordinary answer (default: %(default)s); long-answer jobs may write 1.6 times this "
+                        "(1,024), answers about a document 1.2 times (768)")
     p.add_argument("--gsm8k", type=Path, metavar="FILE", help="GSM8K train questions ({'prompt': ...} lines)")
     p.add_argument("--alpaca", type=Path, metavar="FILE", help="Alpaca seed tasks (seed_tasks.jsonl)")
     if standalone:
@@ -126,7 +127,10 @@ def _mix_arguments(args: argparse.Namespace) -> dict:
     for path in (args.gsm8k, args.alpaca):
         if path is not None and not path.is_file():
             raise SpeculaError(f"seed file not found: {path}")
-    return {"seed": args.seed, "temperatures": tuple(temperatures), "answer_tokens": args.gen_answer_tokens,
+    answer = args.gen_answer_tokens
+    # The longer kinds scale with it, so that a short cap (a quick trial run) shortens every job, not only some.
+    return {"seed": args.seed, "temperatures": tuple(temperatures), "answer_tokens": answer,
+            "long_tokens": round(answer * LONG_ANSWER_SCALE), "document_tokens": round(answer * DOCUMENT_ANSWER_SCALE),
             "gsm8k": args.gsm8k, "alpaca": args.alpaca}
 
 

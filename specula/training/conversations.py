@@ -60,6 +60,12 @@ class Job:
     conversations: tuple[Conversation, ...]
 
 
+# How much longer than an ordinary answer a long-answer job's and a document job's answers may be (1,024 and 768
+# tokens against the default 640).
+LONG_ANSWER_SCALE = 1.6
+DOCUMENT_ANSWER_SCALE = 1.2
+
+
 @dataclass(frozen=True)
 class PromptMix:
     """Which jobs are drawn, how often, and how long their turns may be."""
@@ -68,8 +74,8 @@ class PromptMix:
     temperatures: tuple[float, ...] = (0.0, 1.0)  # assistant turns: each job draws one
     weights: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_WEIGHTS))
     answer_tokens: int = 640
-    long_tokens: int = 1024
-    document_tokens: int = 768
+    long_tokens: int = round(640 * LONG_ANSWER_SCALE)
+    document_tokens: int = round(640 * DOCUMENT_ANSWER_SCALE)
     user_tokens: int = 128
     system_share: float = 0.35
     gsm8k: Path | None = None  # JSONL of {"prompt": ...} (GSM8K train questions)
