@@ -73,6 +73,18 @@ def test_a_changed_target_is_converted_again_and_replaces_its_entry(empty_cache,
     assert empty_cache == ["int8", "int8"] and len(entries()) == 1 and entries() != [entry]
 
 
+def test_each_thread_count_keeps_its_own_entry(empty_cache):
+    """generate (one thread on a 2-CPU machine) and serve (torch's setting) do not replace each other's entry."""
+    previous = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 1, 2):
+            torch.set_num_threads(threads)
+            Target.load(STORIES, weights="int8")
+    finally:
+        torch.set_num_threads(previous)
+    assert empty_cache == ["int8", "int8"] and len(entries()) == 2
+
+
 def test_a_damaged_entry_is_converted_again(empty_cache):
     reference = logits(Target.load(STORIES, weights="int8"))
     [entry] = entries()

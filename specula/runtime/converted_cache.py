@@ -3,14 +3,14 @@
 Converting SmolLM2-135M to q4_1 (reading the GGUF's blocks, checking them against the loaded weights, packing them
 into the kernel's layout) costs far more than the step it speeds up: 15-30 s on a 2-core CPU, against a few
 hundred milliseconds to map the converted model back in. So the first load in a format saves the converted model
-(the whole module, `torch.save`) to ``converted/<target>-<format>-<key>.pt`` in Specula's cache, and later loads
-map it (`torch.load(mmap=True)`: its tensors are read as the steps touch them).
+(the whole module, `torch.save`) to ``converted/<target>-<format>-<threads>t-<key>.pt`` in Specula's cache, and
+later loads map it (`torch.load(mmap=True)`: its tensors are read as the steps touch them).
 
 The key covers everything the converted tensors depend on: the target's files (size and time of each, and the
 GGUF file it came from), the format and dtype, this machine (`float32_layout.machine_key`: the int4 packing
 differs between CPUs), the torch and transformers versions, and the source of the modules that convert the weights
-and define the saved modules (`SOURCES`). A new key replaces the target's older entry in
-that format. The file holds pickled modules, so it is only read from Specula's own cache, which holds the kernels it
+and define the saved modules (`SOURCES`). A new key replaces the target's older entry in that format and thread
+count. The file holds pickled modules, so it is only read from Specula's own cache, which holds the kernels it
 loads as code already. ``SPECULA_CONVERTED_CACHE=0`` turns it off. A file that cannot be read is converted again.
 """
 
@@ -65,7 +65,10 @@ def entry_path(model_dir: Path, name: str, weights: str, dtype: torch.dtype, ggu
                  "transformers": transformers.__version__, "source": source_digest(),
                  "files": {str(f.resolve()): [f.stat().st_size, f.stat().st_mtime_ns] for f in sorted(files)}}
     key = hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:24]
-    return cache_dir() / "converted" / f"{name}-{weights}-{key}.pt"
+    # The thread count is part of the machine key (a float32 layout is chosen per count) and also of the name, so
+    # that a newer entry replaces only the one of its own thread count: `generate` (one thread on a 2-CPU machine)
+    # and `serve` (torch's setting) would otherwise throw each other's conversion away on every start.
+    return cache_dir() / "converted" / f"{name}-{weights}-{torch.get_num_threads()}t-{key}.pt"
 
 
 def load(path: Path) -> tuple[torch.nn.Module, WeightsReport] | None:
