@@ -74,10 +74,6 @@ def add_train_data_parser(trainers: argparse._SubParsersAction) -> None:
 
 
 def run_train_data(args: argparse.Namespace) -> int:
-    if args.threads:
-        import torch  # only to set the thread count
-
-        torch.set_num_threads(args.threads)
     mix_args, options = _mix_arguments(args), _options(args)
     check_data_dir(args.out, "--out")
     target = _load_target(args, args.out)

@@ -8,8 +8,9 @@ adds fuse into a few kernels.
 
 **Regional compilation.** What is compiled is one decoder layer's step (`slot_layer_step`), and that one graph
 runs every layer: the layers share their code and shapes, and their weights reach the graph as inputs (the
-modules' guards are off). Measured on this project's reference CPU (AMD EPYC, 1 thread, SmolLM2 q4_1, cache of
-1,024 slots, 300-token prefix, `TORCHINDUCTOR_CACHE_DIR` empty for "cold"):
+modules' guards stay on, so a layer of another structure gets a graph of its own: `compiled`). Measured on
+this project's reference CPU (AMD EPYC, 1 thread, SmolLM2 q4_1, cache of 1,024 slots, 300-token prefix,
+`TORCHINDUCTOR_CACHE_DIR` empty for "cold"):
 
     graph               first block size cold / warm   next size cold / warm   1-token / 12-token step
     whole model         98.7 s / 7.6 s                 91.1 s / 5.3 s          12.4 / 24.5 ms
