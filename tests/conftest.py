@@ -87,6 +87,15 @@ def tiny_config(family: str, **overrides):
     return AutoConfig.for_model(family, **base)
 
 
+def random_tree(n: int, vocab: int, seed: int):
+    """A draft tree of ``n`` random tokens, each node's parent drawn among the nodes before it."""
+    from specula.tree import DraftTree
+
+    gen = torch.Generator().manual_seed(seed)
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
+    return DraftTree(torch.randint(0, vocab, (n,), generator=gen), parents)
+
+
 def tiny_model(family: str, seed: int = 0, **overrides):
     from transformers import AutoModelForCausalLM
 

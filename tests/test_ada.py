@@ -27,6 +27,7 @@ from specula.drafters.ada import AdaDrafter
 from specula.errors import SpeculaError
 from specula.heads.eagle_head import EagleHead
 from specula.heads.ldlp import LengthPredictor, head_fingerprint
+from specula.runtime.plain_model import transformers_model
 from specula.training.chain import chain_acceptance, chain_labels
 from specula.training.ldlp_trainer import LdlpTrainOptions, replay, train_ldlp
 from specula.training.loop import TrainConfig
@@ -192,7 +193,8 @@ def test_greedy_output_equals_transformers_generate(tree, ldlp_dir):
     accepted, lengths = 0, set()
     for prompt in STORY_PROMPTS[:10]:
         ids = reference.encode(prompt)
-        expected = reference.target.model.generate(ids[None], max_new_tokens=40, do_sample=False)[0, len(ids):]
+        model = transformers_model(reference.target.model)
+        expected = model.generate(ids[None], max_new_tokens=40, do_sample=False)[0, len(ids):]
         result = speculator.generate(prompt, max_new_tokens=40)
         assert result.token_ids == expected.tolist(), prompt
         accepted += sum(result.stats.accepted_lengths)

@@ -12,6 +12,7 @@ import specula
 from specula.drafters.eagle import GPU_CHOICES, EagleDrafter
 from specula.errors import SpeculaError
 from specula.heads.eagle_head import EagleHead
+from specula.runtime.plain_model import transformers_model
 from specula.training.eagle_trainer import train_eagle
 from specula.training.loop import TrainConfig
 
@@ -115,7 +116,8 @@ def test_greedy_output_equals_transformers_generate(method, options, eagle_head_
     accepted = 0
     for prompt in STORY_PROMPTS:
         ids = reference.encode(prompt)
-        expected = reference.target.model.generate(ids[None], max_new_tokens=48, do_sample=False)[0, len(ids):]
+        model = transformers_model(reference.target.model)
+        expected = model.generate(ids[None], max_new_tokens=48, do_sample=False)[0, len(ids):]
         result = speculator.generate(prompt, max_new_tokens=48)
         assert result.token_ids == expected.tolist(), prompt
         accepted += sum(result.stats.accepted_lengths)

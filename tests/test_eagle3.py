@@ -13,6 +13,7 @@ from conftest import STORIES, STORY_LAYERS, STORY_PROMPTS
 import specula
 from specula.errors import SpeculaError
 from specula.heads.eagle3_head import Eagle3Head, default_feature_layers, dense_ttt_attention, ttt_attention
+from specula.runtime.plain_model import transformers_model
 from specula.runtime.target import FeatureRequest
 from specula.training.eagle3_trainer import choose_draft_vocab
 
@@ -158,7 +159,7 @@ def test_eagle3_greedy_equals_transformers_generate(eagle3_head_dir, prompt):
                               total_tokens=8, depth=6, top_k=3)
     ids = speculator.encode(prompt)
     result = speculator.generate(ids, max_new_tokens=48, stop_on_eos=False)
-    expected = speculator.target.model.generate(ids[None], max_new_tokens=48, do_sample=False,
+    expected = transformers_model(speculator.target.model).generate(ids[None], max_new_tokens=48, do_sample=False,
                                                 min_new_tokens=48)[0, len(ids):]
     assert result.token_ids == expected.tolist()
     assert result.stats.tau > 1.2  # drafts were really accepted
@@ -264,7 +265,7 @@ def test_eagle3_on_a_compiled_target_drafts_compiled_and_decodes_what_transforme
     for prompt in STORY_PROMPTS[16:18]:
         ids = speculator.encode(prompt)
         result = speculator.generate(ids, max_new_tokens=32, stop_on_eos=False)
-        expected = speculator.target.model.generate(ids[None], max_new_tokens=32, do_sample=False,
+        expected = transformers_model(speculator.target.model).generate(ids[None], max_new_tokens=32, do_sample=False,
                                                     min_new_tokens=32)[0, len(ids):]
         assert result.token_ids == expected.tolist()
         accepted += sum(result.stats.accepted_lengths)

@@ -7,6 +7,7 @@ import torch
 from conftest import LLAMA2XS, STORIES, STORY_PROMPTS
 
 import specula
+from specula.runtime.plain_model import transformers_model
 
 NEW_TOKENS = 64
 METHODS = {
@@ -20,7 +21,7 @@ METHODS = {
 def reference_outputs():
     """The new tokens of `transformers` greedy generate for each prompt."""
     speculator = specula.load(STORIES, method="vanilla", dtype="float32")
-    model = speculator.target.model
+    model = transformers_model(speculator.target.model)
     outputs = []
     for prompt in STORY_PROMPTS:
         ids = speculator.encode(prompt)[None]
@@ -61,7 +62,7 @@ def test_stream_yields_the_same_tokens_as_generate():
 
 def test_generation_stops_at_eos_like_transformers():
     speculator = specula.load(STORIES, method="pld", dtype="float32")
-    model = speculator.target.model
+    model = transformers_model(speculator.target.model)
     # stories260k separates stories with BOS and rarely emits its EOS, so a full stop plays EOS here.
     full_stop = speculator.tokenizer.convert_tokens_to_ids(".")
     speculator.target.eos_token_ids = {full_stop}

@@ -39,6 +39,7 @@ from specula.acceptance import Acceptance, Acceptor
 from specula.decoding import generate_tokens
 from specula.drafters.draft_model import DraftModelDrafter
 from specula.drafters.prompt_lookup import PromptLookupDrafter
+from specula.runtime.plain_model import transformers_model
 from specula.runtime.target import Target
 from specula.sampling import SamplingParams, probabilities, sample
 from specula.tree import DraftTree
@@ -383,7 +384,7 @@ def exact_sequence_distribution(target: Target, prompt: torch.Tensor, params: Sa
     for _ in range(length):
         keys = list(prefixes)
         batch = torch.stack([torch.cat([prompt, torch.tensor(k, dtype=torch.long)]) for k in keys])
-        logits = target.model(input_ids=batch).logits[:, -1].float()
+        logits = transformers_model(target.model)(input_ids=batch).logits[:, -1].float()
         probs = probabilities(logits, params).double()
         grown = {}
         for row, key in enumerate(keys):

@@ -28,6 +28,7 @@ from specula.drafters.medusa import (
 )
 from specula.errors import SpeculaError
 from specula.heads.medusa_head import MedusaHeads
+from specula.runtime.plain_model import transformers_model
 from specula.runtime.target import Target
 from specula.sampling import SamplingParams
 from specula.training.loop import TrainConfig
@@ -302,7 +303,8 @@ def test_greedy_output_equals_transformers_generate(stories_target, trained_head
     accepted = cycles = 0
     for prompt in STORY_PROMPTS[::3]:
         ids = reference.encode(prompt)
-        expected = reference.target.model.generate(ids[None], max_new_tokens=40, do_sample=False)[0, len(ids):]
+        model = transformers_model(reference.target.model)
+        expected = model.generate(ids[None], max_new_tokens=40, do_sample=False)[0, len(ids):]
         result = speculator.generate(prompt, max_new_tokens=40)
         assert result.token_ids == expected.tolist(), prompt
         accepted += sum(result.stats.accepted_lengths)

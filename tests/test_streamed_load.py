@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from specula.errors import SpeculaError
 from specula.runtime.loading import load_causal_lm
+from specula.runtime.plain_model import PlainCausalLM, from_transformers
 from specula.runtime.streamed_load import load_converted
 from specula.runtime.target import Target
 from specula.runtime.weights import quantize_linear_weights
@@ -26,6 +27,9 @@ def loaded_whole_then_converted(model_dir: Path, fmt: str):
 
 
 def assert_same_model(streamed, whole) -> None:
+    # `load_converted` gives the `transformers` model, a whole load its plain mirror (`specula.runtime.plain_model`)
+    streamed, whole = (model if isinstance(model, PlainCausalLM) else from_transformers(model)
+                       for model in (streamed, whole))
     ours, theirs = streamed.state_dict(), whole.state_dict()
     assert ours.keys() == theirs.keys()
     for name in theirs:

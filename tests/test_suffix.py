@@ -26,6 +26,7 @@ from specula.drafters.suffix import SuffixDrafter, build_suffix_drafter
 from specula.drafters.suffix_index import SuffixCorpus, SuffixTrie, best_continuations
 from specula.errors import SpeculaError
 from specula.methods import build_speculator, check_options
+from specula.runtime.plain_model import transformers_model
 from specula.runtime.target import Target
 from specula.sampling import SamplingParams
 
@@ -202,7 +203,8 @@ def stories_reference():
     outputs = []
     for prompt in STORY_PROMPTS:
         ids = speculator.encode(prompt)[None]
-        generated = speculator.target.model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+        model = transformers_model(speculator.target.model)
+        generated = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
         outputs.append(generated[0, ids.shape[1]:].tolist())
     return speculator.target, outputs
 

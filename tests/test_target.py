@@ -4,21 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import random_tree, tiny_model
 
 from specula.errors import SpeculaError
 from specula.runtime.target import FeatureRequest, Target
-from specula.tree import DraftTree
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
 # float32 logits of a tree node vs the same path run alone: only summation order differs.
 TREE_ATOL = 1e-4
-
-
-def random_tree(n: int, vocab: int, seed: int) -> DraftTree:
-    gen = torch.Generator().manual_seed(seed)
-    parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
-    return DraftTree(torch.randint(0, vocab, (n,), generator=gen), parents)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

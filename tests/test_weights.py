@@ -20,6 +20,7 @@ from specula.gguf.blocks import blocks_to_groups, llama_row_order
 from specula.kernels import float32 as float32_kernel
 from specula.kernels import q4_1
 from specula.runtime.fused_linear import fuse_outputs
+from specula.runtime.plain_model import transformers_model
 from specula.runtime.quantized_linear import (
     BFloat16Linear,
     Float32Linear,
@@ -363,7 +364,7 @@ def assert_equal_or_near_ties(vanilla, outputs, decode) -> None:
 
 def test_vanilla_equals_transformers_generate_with_the_same_weights(quantized_stories):
     fmt, vanilla, outputs = quantized_stories
-    model = vanilla.target.model  # its linears are the quantized modules: generate() runs them too
+    model = transformers_model(vanilla.target.model)  # its linears are the quantized modules: generate() runs them
 
     def hf_generate(prompt):
         ids = vanilla.encode(prompt)[None]

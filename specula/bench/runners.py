@@ -29,6 +29,7 @@ from specula.bench.metrics import add_to_calibration, depth_counts, empty_calibr
 from specula.decoding import generate_tokens
 from specula.drafters.draft_model import check_same_vocabulary
 from specula.methods import build_speculator
+from specula.runtime.plain_model import transformers_model
 from specula.runtime.target import Target
 from specula.sampling import SamplingParams
 
@@ -284,7 +285,7 @@ class HFRunner:
             draft = Target.load(spec.draft, dtype=dtype, device=target.device, role="draft")
             check_same_vocabulary(target, draft)
             self.draft_model = draft
-            assistant = draft.model
+            assistant = transformers_model(draft.model)
             for key, value in spec.options.items():
                 setattr(assistant.generation_config, key, value)
             self.kwargs["assistant_model"] = assistant
@@ -305,10 +306,11 @@ class HFRunner:
                         "top_p": params.top_p}
         torch.manual_seed(seed)
         _cuda_reset(device)
-        with _CountCalls(self.target.model) as counter, torch.no_grad():
+        model = transformers_model(self.target.model)
+        with _CountCalls(model) as counter, torch.no_grad():
             _sync(device)
             start = time.perf_counter()
-            out = self.target.model.generate(ids, max_new_tokens=max_new_tokens, attention_mask=torch.ones_like(ids),
+            out = model.generate(ids, max_new_tokens=max_new_tokens, attention_mask=torch.ones_like(ids),
                                              **sampling, **self.kwargs)
             _sync(device)
             wall = time.perf_counter() - start

@@ -18,6 +18,7 @@ import torch
 from specula.bench.questions import read_questions
 from specula.decoding import generate_tokens
 from specula.drafters.vanilla import VanillaDrafter
+from specula.runtime.plain_model import transformers_model
 from specula.runtime.target import Target
 from specula.sampling import SamplingParams
 
@@ -32,7 +33,7 @@ def read_prompts(path: Path, limit: int) -> list[str]:
 def run(target_dir: str, dtype: str, prompts: list[str], max_new_tokens: int, max_prompt_tokens: int,
         repeats: int) -> dict:
     target = Target.load(target_dir, dtype=dtype)
-    model, tokenizer = target.model, target.tokenizer
+    model, tokenizer = transformers_model(target.model), target.tokenizer
     encoded = [torch.tensor(tokenizer(p).input_ids[-max_prompt_tokens:]) for p in prompts]
     greedy = SamplingParams()
 

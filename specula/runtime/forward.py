@@ -19,7 +19,6 @@ import copy
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
 
 from specula.errors import SpeculaError
 from specula.runtime.compiled_step import CompiledStep
@@ -164,6 +163,8 @@ class GenericRuntime:
     """Any `transformers` causal LM that accepts a 4-D attention mask, through its own forward."""
 
     def __init__(self, model, capacity: int):
+        from transformers import DynamicCache  # only here: a Llama-family target runs without transformers' modules
+
         self.model = model
         self.cache = DynamicCache(config=model.config)
         self.length = 0
@@ -177,7 +178,7 @@ class GenericRuntime:
 
     def truncate(self, length: int) -> None:
         if length == 0:
-            self.cache = DynamicCache(config=self.model.config)
+            self.cache = type(self.cache)(config=self.model.config)
         else:
             self._crop(length)
         self.length = length

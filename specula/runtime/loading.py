@@ -16,6 +16,7 @@ from specula.files.readers import check_fields, check_safetensors, expect_object
 from specula.runtime import converted_cache
 from specula.runtime.forward import LLAMA_FAMILY
 from specula.runtime.model_source import model_name, resolve_model
+from specula.runtime.plain_model import from_transformers
 from specula.runtime.streamed_load import load_converted
 from specula.runtime.weights import quantize_linear_weights
 
@@ -81,49 +82,27 @@ def load_converted_lm(path: str | Path, dtype: str | torch.dtype = "auto", devic
     (`specula.runtime.streamed_load`: peak memory near the converted model's, not the float model's); otherwise
     the float model is loaded whole and converted after. Never touches the network.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from transformers import logging as hf_logging
-
     model_dir = check_model_dir(path, role)
     for file in sorted(model_dir.glob("*.safetensors")):  # a truncated file is named, not a library traceback
         check_safetensors(file, f"{role} weights file")
     torch_dtype = resolve_dtype(dtype, model_dir)
-    try:
-        config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    except (OSError, ValueError, KeyError) as err:
-        raise SpeculaError(f"{role} config in {path} cannot be read: {str(err).splitlines()[0]}") from err
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_MASKED_LM_MAPPING
+    # A quantized model converted by an earlier load is mapped back in (`specula.runtime.converted_cache`): a plain
+    # model (`specula.runtime.plain_model`), so that a warm start imports no `transformers` modelling code.
+    kept = converted_cache.entry_path(model_dir, model_name(path), weights, torch_dtype, gguf_file) if (
+        converted_cache.enabled(weights, device)) else None
+    cached = converted_cache.load(kept) if kept is not None else None
+    from transformers import logging as hf_logging
 
-    # BERT-like encoders register an "LM head" causal class too, but attend both ways unless built as decoders.
-    encoder = type(config) in MODEL_FOR_MASKED_LM_MAPPING and not getattr(config, "is_decoder", False)
-    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING or encoder:
-        raise SpeculaError(
-            f"{role} in {path} is not a causal language model (model_type '{config.model_type}')"
-        )
     verbosity = hf_logging.get_verbosity()
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()  # a per-tensor bar for a local load is noise
-    converted = None
-    # A quantized model converted by an earlier load is mapped back in (`specula.runtime.converted_cache`).
-    kept = converted_cache.entry_path(model_dir, model_name(path), weights, torch_dtype, gguf_file) if (
-        converted_cache.enabled(weights, device)) else None
     try:
-        cached = converted_cache.load(kept) if kept is not None else None
         if cached is not None:
-            converted = cached
-        elif weights != "float32" and config.model_type in LLAMA_FAMILY and torch.device(device).type == "cpu":
-            converted = load_converted(model_dir, config, torch_dtype, weights, gguf_file)
-        if converted is None:
-            # Mismatched shapes are loaded as reinitialised and reported, so that they are refused below by name.
-            model, loading = AutoModelForCausalLM.from_pretrained(
-                model_dir, dtype=torch_dtype, local_files_only=True, attn_implementation="sdpa",
-                output_loading_info=True, ignore_mismatched_sizes=True,
-            )
-            check_loading(loading, role, path)
+            model, report, tokenizer = cached
         else:
-            model, report = converted
-        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+            model, report = _load_and_convert(model_dir, path, role, torch_dtype, weights, device, gguf_file)
+            tokenizer = _load_tokenizer(model_dir)
     except SpeculaError:
         raise
     except Exception as err:  # torch pickles, tokenizer files and loaders fail in many ways on damaged files
@@ -133,16 +112,57 @@ def load_converted_lm(path: str | Path, dtype: str | torch.dtype = "auto", devic
         hf_logging.set_verbosity(verbosity)
         if bars:
             hf_logging.enable_progress_bar()
+    to_device(model, device).eval().requires_grad_(False)
+    if kept is not None and cached is None:
+        converted_cache.save(kept, converted_cache.Converted(model, report, tokenizer))
+    return model, tokenizer, report
+
+
+def _load_and_convert(model_dir: Path, path: str | Path, role: str, torch_dtype: torch.dtype, weights: str,
+                      device: str | torch.device, gguf_file: str | Path | None):
+    """(model, WeightsReport): the checkpoint checked, loaded and converted to ``weights``; a Llama-family model
+    as a plain model (`specula.runtime.plain_model`) sharing the converted weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_MASKED_LM_MAPPING
+
     try:
-        model.to(device).eval()
+        config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    except (OSError, ValueError, KeyError) as err:
+        raise SpeculaError(f"{role} config in {path} cannot be read: {str(err).splitlines()[0]}") from err
+    # BERT-like encoders register an "LM head" causal class too, but attend both ways unless built as decoders.
+    encoder = type(config) in MODEL_FOR_MASKED_LM_MAPPING and not getattr(config, "is_decoder", False)
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING or encoder:
+        raise SpeculaError(
+            f"{role} in {path} is not a causal language model (model_type '{config.model_type}')"
+        )
+    converted = None
+    if weights != "float32" and config.model_type in LLAMA_FAMILY and torch.device(device).type == "cpu":
+        converted = load_converted(model_dir, config, torch_dtype, weights, gguf_file)
+    if converted is None:
+        # Mismatched shapes are loaded as reinitialised and reported, so that they are refused below by name.
+        model, loading = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch_dtype, local_files_only=True, attn_implementation="sdpa",
+            output_loading_info=True, ignore_mismatched_sizes=True,
+        )
+        check_loading(loading, role, path)
+        to_device(model, device)
+        report = quantize_linear_weights(model, weights, lm_head=True, gguf_file=gguf_file)
+    else:
+        model, report = converted
+    return from_transformers(model) or model, report
+
+
+def to_device(model: torch.nn.Module, device: str | torch.device) -> torch.nn.Module:
+    try:
+        return model.to(device)
     except (RuntimeError, AssertionError) as err:
         raise SpeculaError(f"device '{device}' is not usable: {str(err).splitlines()[0]}") from err
-    model.requires_grad_(False)
-    if converted is None:
-        report = quantize_linear_weights(model, weights, lm_head=True, gguf_file=gguf_file)
-    if kept is not None and cached is None:
-        converted_cache.save(kept, model, report)
-    return model, tokenizer, report
+
+
+def _load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
 
 
 def check_loading(loading: dict, role: str, path: str | Path) -> None:

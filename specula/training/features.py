@@ -27,6 +27,7 @@ import torch
 from specula.errors import SpeculaError
 from specula.files.outputs import atomic_write, atomic_write_text
 from specula.files.readers import check_safetensors, open_safetensors
+from specula.runtime.plain_model import transformers_model
 from specula.runtime.target import FeatureRequest, Target
 from specula.training.fingerprints import cache_mismatch, samples_hash, stable_hash, target_fingerprint
 from specula.training.records import Log, TrainingSample, shard_position
@@ -128,7 +129,8 @@ def batched_features(target: Target, sequences: Sequence[torch.Tensor], request:
     as any batched inference) — at thousands of tokens/s where one `Target.prefill` per sample, with
     its cache sized to the model's whole context, ran at hundreds.
     """
-    base = getattr(target.model, target.model.base_model_prefix)
+    model = transformers_model(target.model)  # its own batched forward (a plain model has none)
+    base = getattr(model, model.base_model_prefix)
     lengths = [int(s.shape[0]) for s in sequences]
     ids = torch.zeros(len(sequences), max(lengths), dtype=torch.long)
     for row, sequence in enumerate(sequences):

@@ -28,6 +28,7 @@ import torch
 from specula.errors import SpeculaError
 from specula.files.outputs import atomic_write, atomic_write_text
 from specula.files.readers import load_torch
+from specula.runtime.plain_model import transformers_model
 from specula.runtime.target import Target
 from specula.training.fingerprints import (
     FORMAT_VERSION,
@@ -208,7 +209,7 @@ def generate_batch(target: Target, prompts: Sequence[Sequence[int]], max_new_tok
     """
     from transformers import GenerationConfig
 
-    model, eos = target.model, sorted(target.eos_token_ids)
+    model, eos = transformers_model(target.model), sorted(target.eos_token_ids)
     pad = getattr(target.tokenizer, "pad_token_id", None)
     if pad is None:
         pad = getattr(model.generation_config, "pad_token_id", None)
