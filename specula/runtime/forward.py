@@ -7,8 +7,9 @@ chain), at position prefix length + depth. Keys and values of the block are writ
 
 - `LlamaFamilyRuntime` drives the decoder layers of Llama, Mistral, Qwen2 and Qwen3 checkpoints directly
   with a static cache (`specula.runtime.static_cache`) and one attention call per layer (the gpt-fast
-  recipe), reusing the `transformers` modules' weights, rotary embedding and norms so the numbers match
-  `transformers`; `specula.runtime.compiled_step` compiles its steps.
+  recipe), reusing the model's weights, rotary embedding and norms (a `transformers` model's, or the plain mirror
+  `specula.runtime.plain_model` that computes the same bits) so the numbers match `transformers`;
+  `specula.runtime.compiled_step` compiles its steps.
 - `GenericRuntime` calls the `transformers` model itself with a 4-D mask and a `DynamicCache`, for any
   other causal LM that accepts 4-D attention masks.
 """
