@@ -15,7 +15,13 @@ from specula.heads.eagle3_head import default_feature_layers, fused_feature_requ
 from specula.methods import DEFAULT_TARGET
 from specula.runtime.target import FeatureRequest, Target
 from specula.runtime.weights import WEIGHT_FORMATS
-from specula.training.conversations import DOCUMENT_ANSWER_SCALE, LONG_ANSWER_SCALE, JobMaker, PromptMix
+from specula.training.conversations import (
+    ANSWER_TOKENS,
+    DOCUMENT_ANSWER_SCALE,
+    LONG_ANSWER_SCALE,
+    JobMaker,
+    PromptMix,
+)
 from specula.training.generated import FEATURE_DTYPES, RUN_FILE, GenerationOptions, default_weights, generate_data
 from specula.training.recipe import generated_sets
 from specula.training.records import has_chat_template
@@ -42,7 +48,7 @@ def add_generation_arguments(p: argparse.ArgumentParser, standalone: bool = Fals
     p.add_argument("--gen-max-jobs", type=positive_int, metavar="N", help="stop after N jobs")
     p.add_argument("--gen-max-length", type=positive_int, default=4096, metavar="N",
                    help="longest conversation in tokens (default: %(default)s)")
-    p.add_argument("--gen-answer-tokens", type=positive_int, default=640, metavar="N",
+    p.add_argument("--gen-answer-tokens", type=positive_int, default=ANSWER_TOKENS, metavar="N",
                    help="longest ordinary answer (default: %(default)s); long-answer jobs may write 1.6 times this "
                         "(1,024), answers about a document 1.2 times (768)")
     p.add_argument("--gsm8k", type=Path, metavar="FILE", help="GSM8K train questions ({'prompt': ...} lines)")

@@ -153,6 +153,7 @@ def _load_and_convert(model_dir: Path, path: str | Path, role: str, torch_dtype:
 
 
 def to_device(model: torch.nn.Module, device: str | torch.device) -> torch.nn.Module:
+    """``model`` moved to ``device``, or one SpeculaError line where the device cannot take it."""
     try:
         return model.to(device)
     except (RuntimeError, AssertionError) as err:

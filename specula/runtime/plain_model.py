@@ -21,11 +21,11 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
+from specula.runtime.forward import LLAMA_FAMILY
 from specula.runtime.weights import linear_names, replace_submodule
 
 # Rotary embeddings whose frequencies are fixed once computed: the `transformers` forward of these is the one below.
 STATIC_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
-PLAIN_ARCHITECTURES = {"llama", "mistral", "qwen2", "qwen3"}
 
 
 class PlainConfig(SimpleNamespace):
@@ -34,9 +34,6 @@ class PlainConfig(SimpleNamespace):
 
     def to_dict(self) -> dict:
         return dict(vars(self))
-
-    def get(self, key: str, default=None):
-        return getattr(self, key, default)
 
 
 class RMSNorm(nn.Module):
@@ -169,7 +166,7 @@ def from_transformers(model: nn.Module) -> PlainCausalLM | None:
     config = model.config
     base = getattr(model, "model", None)
     rotary = getattr(base, "rotary_emb", None)
-    if (config.model_type not in PLAIN_ARCHITECTURES or rotary is None
+    if (config.model_type not in LLAMA_FAMILY or rotary is None
             or getattr(rotary, "rope_type", None) not in STATIC_ROPE_TYPES
             or getattr(config, "hidden_act", None) not in ("silu", "swish")):
         return None

@@ -60,8 +60,9 @@ class Job:
     conversations: tuple[Conversation, ...]
 
 
-# How much longer than an ordinary answer a long-answer job's and a document job's answers may be (1,024 and 768
-# tokens against the default 640).
+# The longest ordinary answer by default, and how much longer a long-answer job's and a document job's answers may
+# be (1,024 and 768 tokens by default).
+ANSWER_TOKENS = 640
 LONG_ANSWER_SCALE = 1.6
 DOCUMENT_ANSWER_SCALE = 1.2
 
@@ -73,9 +74,9 @@ class PromptMix:
     seed: int = 0
     temperatures: tuple[float, ...] = (0.0, 1.0)  # assistant turns: each job draws one
     weights: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_WEIGHTS))
-    answer_tokens: int = 640
-    long_tokens: int = round(640 * LONG_ANSWER_SCALE)
-    document_tokens: int = round(640 * DOCUMENT_ANSWER_SCALE)
+    answer_tokens: int = ANSWER_TOKENS
+    long_tokens: int = round(ANSWER_TOKENS * LONG_ANSWER_SCALE)
+    document_tokens: int = round(ANSWER_TOKENS * DOCUMENT_ANSWER_SCALE)
     user_tokens: int = 128
     system_share: float = 0.35
     gsm8k: Path | None = None  # JSONL of {"prompt": ...} (GSM8K train questions)
