@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from conftest import tiny_model
 
 from specula.errors import SpeculaError
@@ -71,3 +72,15 @@ def test_the_measurement_times_both_layouts_for_each_row_count():
     assert len(rows_ms) == len(columns_ms) == len(float32_layout.PROBE_ROWS)
     assert all(t > 0 for t in rows_ms + columns_ms)
 
+
+
+def test_a_model_off_the_cpu_builds_no_cpu_kernel_and_measures_nothing(cache, monkeypatch):
+    """A GPU target keeps its linears: neither the CPU kernel (a 30 s build on first use, seen on an H200 machine)
+    nor the layout measurement runs. The meta device stands in for the GPU here."""
+    from specula.runtime import weights
+
+    monkeypatch.setattr(weights, "float32_kernel", lambda: pytest.fail("the CPU float32 kernel was asked for"))
+    monkeypatch.setattr(float32_layout, "measure", lambda: pytest.fail("measured for a model off the CPU"))
+    model = _large_head_model().to("meta")
+    quantize_linear_weights(model, "float32", lm_head=True)
+    assert type(model.lm_head) is torch.nn.Linear and not cache.exists()

@@ -96,7 +96,8 @@ def compiled(function, device: torch.device, guard_modules: bool = False):
     unguarded = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)  # not in older torch
     if unguarded is not None and not guard_modules:
         options["guard_filter_fn"] = unguarded
-    attention_kernel()  # decided (and built) before tracing: the graph reads the answer
+    if device.type == "cpu":
+        attention_kernel()  # decided (and built) before tracing: the graph reads the answer (CPU steps only)
     # One graph per block size and cache size (and, for a head, feature request), for each model structure a
     # process meets (the layer graph is one function for every target): more than dynamo's default of 8.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)

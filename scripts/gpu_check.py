@@ -1,0 +1,177 @@
+"""The GPU path, checked: what "lossless" means on a CUDA device, format by format and method by method (issue 39).
+
+On a CPU every format's verify pass is row-invariant (`tests/test_row_invariance.py`), so speculative output is
+bit-identical to vanilla's. On a GPU the kernels are cuBLAS's and PyTorch's (none of ours), whose reductions may
+depend on how many rows a call holds. This script measures that on the tiny stories260k target and runs
+`specula check` for every method there, so the README can say per format what holds on a GPU:
+
+1. row invariance: `specula.runtime.invariance.mismatched_rows` for chains of k = 1..64 tokens and a 9-node tree
+   after a 37-token prompt, per weight format, eager;
+2. the packed step of the server: each of 5 sequences of different lengths gets the logits of its block alone;
+3. `specula check` at T=0 (token equality with vanilla, every divergence classified near-tie or real) for every
+   method in every format, then the compiled float32 step's row invariance, then at T=1 (the distribution test
+   with its power control) every method in float32.
+
+Cells run in that order until ``--budget`` seconds have passed; the rest are written as not run (never as passed).
+Results go to ``--out`` (JSON, rewritten after every cell) and one line per cell to stdout.
+
+    python scripts/gpu_check.py --models DIR --out gpu_check.json    # DIR holds stories260k and llama2xs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from specula.certify.check import check
+from specula.runtime.forward import FeatureRequest
+from specula.runtime.invariance import mismatched_rows
+from specula.runtime.packed import Block, forward_packed
+from specula.runtime.target import Target
+
+ROOT = Path(__file__).resolve().parent.parent
+FORMATS = ["float32", "bfloat16", "int8", "int4", "q4_1"]
+CHAINS = [1, 2, 3, 4, 5, 8, 11, 16, 24, 33, 48, 64]
+COMPILED_CHAINS = [1, 2, 4, 8, 16]  # each block size is one more compiled graph
+TREE_PARENTS = [-1, 0, 0, 0, 1, 1, 2, 4, 3]  # the tree of tests/test_row_invariance.py
+# method -> draft (None: the method needs none); heads are the test fixtures and the bundled stories head
+DRAFTS = {
+    "sps": "llama2xs",
+    "pld": None,
+    "suffix": None,
+    "eagle": ROOT / "tests/data/eagle-stories260k",
+    "eagle2": ROOT / "tests/data/eagle-stories260k",
+    "eagle3": ROOT / "tests/data/eagle3-stories260k",
+    "medusa": ROOT / "specula/heads/bundled/medusa-stories260k",
+    "ada": ROOT / "tests/data/eagle-stories260k",
+}
+
+SAMPLED_ORDER = ["eagle3", "sps", "eagle2", "medusa", "ada", "pld", "suffix", "eagle"]  # T=1 cells, most telling first
+
+
+def tree_block(parents: list[int], device: torch.device) -> tuple[torch.Tensor, list[int]]:
+    """(ancestor mask bool [n, n], depths [n]) of a tree given each node's parent (-1: the root)."""
+    n = len(parents)
+    mask = torch.eye(n, dtype=torch.bool)
+    depths = []
+    for i, parent in enumerate(parents):
+        if parent >= 0:
+            mask[i] |= mask[parent]
+        depths.append(0 if parent < 0 else depths[parent] + 1)
+    return mask.to(device), depths
+
+
+def invariance(target: Target, chains: list[int] = CHAINS) -> dict[str, list[int]]:
+    """{block: rows whose logits differ from one-token steps} for the chains and the tree ({} = row-invariant)."""
+    generator = torch.Generator().manual_seed(0)
+    device, vocab = target.device, target.vocab_size
+    target.prefill(torch.randint(3, vocab, (37,), generator=generator).to(device))
+    found = {}
+    for k in chains:
+        found[f"chain of {k}"] = mismatched_rows(target, torch.randint(3, vocab, (k,), generator=generator).to(device))
+    mask, depths = tree_block(TREE_PARENTS, device)
+    tokens = torch.randint(3, vocab, (len(TREE_PARENTS),), generator=generator).to(device)
+    found["tree of 9"] = mismatched_rows(target, tokens, mask, depths)
+    return {block: rows for block, rows in found.items() if rows}
+
+
+def packed_equal(target: Target) -> list[int]:
+    """Sequences (of 5, blocks of 1, 64, 4, 16, 5 tokens) whose packed logits differ from their block alone."""
+    generator = torch.Generator().manual_seed(1)
+    counts = [1, 64, 4, 16, 5]
+    targets = [target.fork() for _ in counts]
+    for i, t in enumerate(targets):
+        t.prefill(torch.randint(3, target.vocab_size, (20 + 13 * i,), generator=generator).to(target.device))
+    blocks = [Block(torch.randint(3, target.vocab_size, (n,), generator=generator).to(target.device), None, None,
+                    FeatureRequest()) for n in counts]
+    differ = []
+    for i, (t, block, out) in enumerate(zip(targets, blocks, forward_packed(targets, blocks), strict=True)):
+        t.commit([])
+        if not torch.equal(block.run(t).logits, out.logits):
+            differ.append(i)
+    return differ
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", type=Path, required=True, help="folder holding stories260k and llama2xs")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--budget", type=float, default=420.0, help="seconds; later cells are recorded as not run")
+    parser.add_argument("--n", type=int, default=4, help="greedy prompts per check")
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    args = parser.parse_args()
+    stories = args.models / "stories260k"
+    device = torch.device(args.device)
+    started = time.perf_counter()
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
+    results = {"environment": {"torch": torch.__version__, "cuda": torch.version.cuda, "device": name,
+                               "python": platform.python_version()},
+               "cells": []}
+
+    def cell(kind: str, name: str, run) -> None:
+        record = {"kind": kind, "name": name}
+        if time.perf_counter() - started > args.budget:
+            record["status"] = "not run (time budget)"
+        else:
+            t0 = time.perf_counter()
+            try:
+                record.update(run())
+                record.setdefault("status", "ran")
+            except Exception as err:  # a cell that breaks is a finding: record it and go on
+                record.update(status="error", error=f"{type(err).__name__}: {err}",
+                              traceback=traceback.format_exc(limit=6))
+            record["seconds"] = round(time.perf_counter() - t0, 2)
+        results["cells"].append(record)
+        args.out.write_text(json.dumps(results, indent=1))
+        shown = {k: v for k, v in record.items() if k not in ("kind", "name", "traceback", "report")}
+        print(f"[{time.perf_counter() - started:6.1f}s] {kind} {name}: {json.dumps(shown)}", flush=True)
+
+    for fmt in FORMATS:
+        cell("invariance", f"{fmt} eager", lambda fmt=fmt: {
+            "mismatched": invariance(Target.load(stories, dtype="float32", device=device, weights=fmt))})
+    for fmt in ("float32", "q4_1"):
+        cell("packed", f"{fmt} eager", lambda fmt=fmt: {
+            "differing_sequences": packed_equal(Target.load(stories, dtype="float32", device=device, weights=fmt))})
+
+    def run_check(method: str, fmt: str, temperature: float, compile: bool = False) -> dict:
+        draft = DRAFTS[method]
+        draft = args.models / draft if isinstance(draft, str) else draft
+        report = check(stories, method, draft, n=args.n, max_new_tokens=args.max_new_tokens,
+                       temperature=temperature, dtype="float32", device=str(device), weights=fmt, profile=False,
+                       compile=compile).as_dict()
+        g = report["greedy"]
+        summary = {"verdict": report["verdict"], "identical": f"{g['identical']}/{g['prompts']}",
+                   "near_ties": g["near_ties"], "real": g["real"], "row_invariant": g["row_invariant"],
+                   "report": report}
+        if report["sampling"]:
+            s = report["sampling"]
+            summary.update(p_value=s["method"]["p_value"], control_p=s["control"]["p_value"],
+                           detectable_tv=s["power"]["detectable_tv"])
+        return summary
+
+    for fmt in FORMATS:
+        for method in DRAFTS:
+            cell("check T=0", f"{method} {fmt}", lambda m=method, f=fmt: run_check(m, f, 0.0))
+
+    def compiled_invariance() -> dict:
+        target = Target.load(stories, dtype="float32", device=device, weights="float32")
+        target.compile()
+        return {"mismatched": invariance(target, COMPILED_CHAINS)}
+
+    cell("invariance", "float32 compiled", compiled_invariance)
+    for method in SAMPLED_ORDER:
+        cell("check T=1", f"{method} float32", lambda m=method: run_check(m, "float32", 1.0))
+    ran = [c for c in results["cells"] if c["status"] == "ran"]
+    print(f"{len(ran)} of {len(results['cells'])} cells ran, {time.perf_counter() - started:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
