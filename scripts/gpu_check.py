@@ -10,7 +10,7 @@ depend on how many rows a call holds. This script measures that on the tiny stor
 2. the packed step of the server: each of 5 sequences of different lengths gets the logits of its block alone;
 3. `specula check` at T=0 (token equality with vanilla, every divergence classified near-tie or real) for every
    method in every format, then the compiled float32 step's row invariance, then at T=1 (the distribution test
-   with its power control) every method in float32.
+   with its power control) every method in float32, then T=0 again with the compiled float32 step.
 
 Cells run in that order until ``--budget`` seconds have passed; the rest are written as not run (never as passed).
 Results go to ``--out`` (JSON, rewritten after every cell) and one line per cell to stdout.
@@ -106,6 +106,8 @@ def main() -> int:
     parser.add_argument("--budget", type=float, default=420.0, help="seconds; later cells are recorded as not run")
     parser.add_argument("--n", type=int, default=4, help="greedy prompts per check")
     parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--only", nargs="+", metavar="TEXT",
+                        help="run only the cells whose '<kind> <name>' contains one of these (a second run's share)")
     args = parser.parse_args()
     stories = args.models / "stories260k"
     device = torch.device(args.device)
@@ -117,6 +119,8 @@ def main() -> int:
 
     def cell(kind: str, name: str, run) -> None:
         record = {"kind": kind, "name": name}
+        if args.only and not any(text in f"{kind} {name}" for text in args.only):
+            return
         if time.perf_counter() - started > args.budget:
             record["status"] = "not run (time budget)"
         else:
@@ -126,12 +130,14 @@ def main() -> int:
                 record.setdefault("status", "ran")
             except Exception as err:  # a cell that breaks is a finding: record it and go on
                 record.update(status="error", error=f"{type(err).__name__}: {err}",
-                              traceback=traceback.format_exc(limit=6))
+                              traceback=traceback.format_exc())
             record["seconds"] = round(time.perf_counter() - t0, 2)
         results["cells"].append(record)
         args.out.write_text(json.dumps(results, indent=1))
         shown = {k: v for k, v in record.items() if k not in ("kind", "name", "traceback", "report")}
         print(f"[{time.perf_counter() - started:6.1f}s] {kind} {name}: {json.dumps(shown)}", flush=True)
+        if "traceback" in record:
+            print(record["traceback"], flush=True)
 
     for fmt in FORMATS:
         cell("invariance", f"{fmt} eager", lambda fmt=fmt: {
@@ -168,6 +174,8 @@ def main() -> int:
     cell("invariance", "float32 compiled", compiled_invariance)
     for method in SAMPLED_ORDER:
         cell("check T=1", f"{method} float32", lambda m=method: run_check(m, "float32", 1.0))
+    for method in DRAFTS:
+        cell("check T=0", f"{method} float32 compiled", lambda m=method: run_check(m, "float32", 0.0, compile=True))
     ran = [c for c in results["cells"] if c["status"] == "ran"]
     print(f"{len(ran)} of {len(results['cells'])} cells ran, {time.perf_counter() - started:.0f} s")
     return 0

@@ -270,3 +270,24 @@ def test_eagle3_on_a_compiled_target_drafts_compiled_and_decodes_what_transforme
         assert result.token_ids == expected.tolist()
         accepted += sum(result.stats.accepted_lengths)
     assert accepted > 0  # the compiled one-node drafts were accepted
+
+
+def test_an_eagle3_head_compiled_after_an_eagle_head_runs_its_own_graph():
+    """Heads of different structure compiled in one process (a bench, a server) never share a graph: on an H200
+    the EAGLE-3 head's first compiled step met the EAGLE head's graph and failed (KeyError: 'layers')."""
+    from specula.runtime.compiled_step import graph_function
+
+    data = Path(__file__).parent / "data"
+    speculators = {method: specula.load(STORIES, method=method, draft=data / head, dtype="float32", compile=True,
+                                        profile=False)
+                   for method, head in (("eagle", "eagle-stories260k"), ("eagle3", "eagle3-stories260k"))}
+    vanilla = specula.load(STORIES, method="vanilla", dtype="float32", profile=False)
+    ids = vanilla.encode(STORY_PROMPTS[16])
+    expected = vanilla.generate(ids, max_new_tokens=24, stop_on_eos=False).token_ids
+    for speculator in speculators.values():  # eagle compiles first, then eagle3 in the same process
+        result = speculator.generate(ids, max_new_tokens=24, stop_on_eos=False)
+        assert result.token_ids == expected and sum(result.stats.accepted_lengths) > 0
+    eagle_head, eagle3_head = (s.drafter.head for s in speculators.values())
+    assert graph_function(eagle_head) is not graph_function(eagle3_head)
+    again = specula.load(STORIES, method="eagle3", draft=data / "eagle3-stories260k", dtype="float32", profile=False)
+    assert graph_function(again.drafter.head) is graph_function(eagle3_head)  # one structure, one graph

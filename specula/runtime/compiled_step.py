@@ -42,6 +42,8 @@ compiled one-token step gives it (`tests/test_row_invariance.py`).
 from __future__ import annotations
 
 import os
+import types
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -196,7 +198,7 @@ class HeadStep:
 
     def __init__(self, head, compile: bool, device: torch.device):
         self.head = head
-        self.graph = compiled(self._graph, device) if compile else None
+        self.graph = compiled(graph_function(head), device) if compile else None
 
     def __call__(self, features: torch.Tensor, token_embeds: torch.Tensor, positions: torch.Tensor,
                  cache: StaticKVCache, mask: torch.Tensor | None, own_features: bool = False, top: int = 0):
@@ -213,10 +215,35 @@ class HeadStep:
         visible = block_attention_mask(cache.length, positions, None) if mask is None else mask
         slots, positions, full_mask = padded_block(cache, positions, visible)
         pad = (0, 0, 0, positions.shape[0] - n)
-        out = self.graph(F.pad(features, pad), F.pad(token_embeds, pad), positions, cache, full_mask, slots,
-                         own_features, last, top)
+        out = self.graph(self.head, F.pad(features, pad), F.pad(token_embeds, pad), positions, cache, full_mask,
+                         slots, own_features, last, top)
         cache.block = n
         return (out[0][:n], *out[1:]) if top else out[:n]
 
-    def _graph(self, features, token_embeds, positions, cache, mask, slots, own_features, last, top):
-        return head_step(self.head, features, token_embeds, positions, cache, mask, own_features, slots, last, top)
+
+def _head_graph(head, features, token_embeds, positions, cache, mask, slots, own_features, last, top):
+    return head_step(head, features, token_embeds, positions, cache, mask, own_features, slots, last, top)
+
+
+_HEAD_GRAPHS: dict[str, Callable] = {}  # head structure -> `_head_graph` with a code object of its own
+
+
+def graph_function(head: torch.nn.Module) -> Callable:
+    """`_head_graph` for heads of ``head``'s structure (class, modules, parameter and buffer shapes and dtypes).
+
+    Dynamo keeps its graphs and guards per code object, and `compiled` leaves out the guards on modules. So in a
+    process that compiled an EAGLE head, an EAGLE-3 head sharing the code object met the EAGLE head's graph:
+    on an H200 (torch 2.11) its first step failed with ``KeyError: 'layers'`` (the EAGLE head's layer list).
+    One code object per structure keeps heads of different structure apart; heads of the same structure share
+    graphs, their weights being graph inputs.
+    """
+    structure = ";".join([type(head).__qualname__]
+                         + [f"{name}:{type(module).__qualname__}" for name, module in head.named_modules()]
+                         + [f"{name}:{tuple(t.shape)}:{t.dtype}"
+                            for name, t in [*head.named_parameters(), *head.named_buffers()]])
+    function = _HEAD_GRAPHS.get(structure)
+    if function is None:
+        code = _head_graph.__code__.replace(co_name=f"head_graph_{len(_HEAD_GRAPHS)}")
+        function = types.FunctionType(code, _head_graph.__globals__, code.co_name)
+        _HEAD_GRAPHS[structure] = function
+    return function
