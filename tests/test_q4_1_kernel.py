@@ -141,3 +141,23 @@ def test_a_cpu_without_avx2_is_one_clear_error(monkeypatch):
 def test_a_gpu_is_refused_with_the_reason():
     with pytest.raises(SpeculaError, match="runs on CPUs only"):
         check_available("q4_1", "meta")
+
+
+@pytest.mark.skipif(q4_1.unavailable_reason() is not None, reason=str(q4_1.unavailable_reason()))
+def test_kernels_built_before_load_without_the_extension_builder():
+    """A start loads the machine's built kernels directly: no import of torch's extension builder and no ninja run
+    (which relinked the float32 kernel on some starts: 0.4 s each)."""
+    import subprocess
+    import sys
+
+    q4_1.load()  # built (or found) in this session's cache, with its recipe
+    from specula.kernels import attention, float32
+
+    attention.kernel(), float32.kernel()
+    code = ("import sys; sys.modules['torch.utils.cpp_extension'] = None\n"  # importing it now fails
+            "import torch\nfrom specula.kernels import attention, float32, q4_1\n"
+            "q4_1.load(); assert attention.kernel() is not None and float32.kernel() is not None\n"
+            "print(torch.ops.specula.q4_1_linear)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "q4_1_linear" in done.stdout
