@@ -89,6 +89,16 @@ def test_bench_refuses_to_resume_from_a_foreign_record(tmp_path, questions, caps
     assert "record 0 is not a bench record (no 'question')" in line, line
 
 
+def test_bench_without_data_where_the_default_set_is_absent_says_to_pass_data(tmp_path, monkeypatch, capsys):
+    """Installed from a wheel there is no ../shared/data beside the package: one line naming --data."""
+    from specula.cli import bench as bench_cli
+
+    monkeypatch.setattr(bench_cli, "DEFAULT_DATA", tmp_path / "shared" / "data" / "mt_bench" / "question.jsonl")
+    line = one_error(capsys, main(["bench", "--target", str(STORIES), "--methods", "vanilla", "--out",
+                                   str(tmp_path / "out")]))
+    assert "pass --data FILE" in line, line
+
+
 @pytest.mark.parametrize("value, message", [("0", "must be >= 1"), ('"x"', "whole number"), ("2.5", "whole number")])
 def test_a_transformers_baseline_option_is_checked_before_anything_runs(value, message, tmp_path, questions, capsys):
     out = tmp_path / "out"

@@ -183,6 +183,9 @@ def bench_settings(args: argparse.Namespace):
     if not temperatures or len(set(temperatures)) != len(temperatures):
         raise SpeculaError("give each temperature once (e.g. --temperature 0,1)")
     data = _split(pick("data", str(DEFAULT_DATA)))
+    if data == [str(DEFAULT_DATA)] and not DEFAULT_DATA.exists():  # e.g. installed from a wheel
+        raise SpeculaError(f"no --data given and the default question file {DEFAULT_DATA} (MT-bench, beside a "
+                           f"repository checkout in ../shared/data) is not here: pass --data FILE")
     categories = _split(pick("category")) or None
     limit = _int(pick("limit"), "limit")
     questions = load_questions(data, categories, limit)
