@@ -1,7 +1,5 @@
 """`python -m specula` runs the command line."""
 
-import sys
+from specula.cli import run
 
-from specula.cli import main
-
-sys.exit(main())
+run()

@@ -193,6 +193,20 @@ def test_real_process_exit_status_and_no_traceback(not_a_model):
                                         "(not a Hugging Face model directory)"]
 
 
+def test_a_real_generate_process_prints_its_whole_answer_into_a_pipe_and_exits_0():
+    """`specula generate` ends without the interpreter's teardown (`specula.cli.run`): what it printed into a pipe
+    must all arrive, the answer on stdout and the statistics line on stderr, with exit status 0."""
+    command = [sys.executable, "-m", "specula", "generate", "--target", str(STORIES), "--method", "pld",
+               "--prompt", "Once upon a time", "--max-new-tokens", "12", "--no-profile"]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    expected = specula.load(STORIES, method="pld", profile=False)
+    ids = expected.encode("Once upon a time")
+    answer = expected.tokenizer.decode(expected.generate(ids, max_new_tokens=12).token_ids)
+    assert proc.stdout.strip() == answer.strip()
+    assert proc.stderr.strip().splitlines()[-1].startswith("[pld] ")
+
+
 def test_ctrl_c_exits_130_quietly(capfd, monkeypatch):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
