@@ -246,7 +246,7 @@ def probe_row_invariance(target: Target, prompt: torch.Tensor, continuation: lis
 
 def check_greedy(speculator, vanilla, prompts: list[torch.Tensor], max_new_tokens: int) -> GreedyResult:
     """Part 1: the method against vanilla at T = 0, every divergence explained (with tolerance 0 where the probe
-    finds the verify pass row-invariant)."""
+    finds the verify pass row-invariant, unless the divergence's own verify block, recomputed, shows otherwise)."""
     target = speculator.target
     result = GreedyResult(len(prompts), max_new_tokens, 0, 0, 0, 0, relative_tolerance(compute_dtype(target)))
     for index, ids in enumerate(prompts):
@@ -261,8 +261,13 @@ def check_greedy(speculator, vanilla, prompts: list[torch.Tensor], max_new_token
             result.identical += 1
             result.compared_tokens += len(expected)
             continue
-        divergence = explain(target, ids, expected, run.token_ids, _verify_block(run.stats, position),
-                             result.row_invariant)
+        block = _verify_block(run.stats, position)
+        divergence = explain(target, ids, expected, run.token_ids, block, result.row_invariant)
+        if result.row_invariant and divergence.shape_noise:
+            # The probe's blocks were row-invariant, the verify block that emitted this token was not (on a GPU
+            # int8 passes of 64 rows differ where 8 do not): judge it as on a target without invariance.
+            result.mismatched[f"verify block of {divergence.verify_width}"] = [position - block[0]]
+            divergence = explain(target, ids, expected, run.token_ids, block, False)
         for side, token in (("vanilla_text", divergence.vanilla_token), ("method_text", divergence.method_token)):
             setattr(divergence, side, None if token is None else speculator.tokenizer.convert_ids_to_tokens(token))
         result.compared_tokens += divergence.position + 1

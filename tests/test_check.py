@@ -407,3 +407,38 @@ def test_greedy_part_says_where_the_verify_pass_is_not_row_invariant(speculators
     assert not report.greedy.row_invariant and report.greedy.relative_tolerance == pytest.approx(1e-4)
     assert "verify rows NOT bit-equal to one-token steps here (probed: chain of 8 rows [1]" in report.table()
     assert "(verify rows not bit-equal here: near-ties allowed)" in report.verdict
+
+
+def test_a_verify_block_that_is_not_row_invariant_overrules_a_probe_that_was(speculators, monkeypatch):
+    """The probe runs blocks of up to 8 rows; on an H200 int8 passes were bit-equal there but not at 64 rows. When
+    the divergence's own verify block, recomputed, differs from the one-token step, the report says so and judges
+    the divergence as on a target without invariance (near-tie allowed), not as a real one."""
+    import specula.divergence as divergence
+
+    seen = []
+
+    def explain(target, prompt, vanilla, method, verify_block=None, invariant=False):
+        seen.append(invariant)
+        position = divergence.first_difference(vanilla, method)
+        if position is None:
+            return None
+        kind = divergence.REAL if invariant else divergence.NEAR_TIE  # a gap within rounding, not an exact tie
+        return divergence.Divergence(position, vanilla[position], method[position], 0.01, 0.01,
+                                     0.0 if invariant else 0.05, kind, verify_width=5, verify_argmax=method[position],
+                                     shape_noise=0.02)
+
+    speculator = speculators["pld"]
+    generate = speculator.generate
+
+    def one_token_changed(ids, max_new_tokens, *args, **kwargs):
+        result = generate(ids, max_new_tokens, *args, **kwargs)
+        result.token_ids[6] = (result.token_ids[6] + 1) % speculator.target.vocab_size
+        return result
+
+    monkeypatch.setattr(divergence, "explain", explain)
+    monkeypatch.setattr(speculator, "generate", one_token_changed)
+    report = specula.check(speculator=speculator, temperature=0.0, n=1, max_new_tokens=24)
+    assert seen == [True, False]
+    assert not report.greedy.row_invariant and "verify block of 5" in report.greedy.mismatched
+    assert report.greedy.count(divergence.NEAR_TIE) == 1 and report.greedy.count(divergence.REAL) == 0
+    assert report.status == "certified"
