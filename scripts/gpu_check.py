@@ -31,7 +31,7 @@ import torch
 
 from specula.certify.check import check
 from specula.runtime.forward import FeatureRequest
-from specula.runtime.invariance import mismatched_rows
+from specula.runtime.invariance import mismatched_rows, tree_block
 from specula.runtime.packed import Block, forward_packed
 from specula.runtime.target import Target
 
@@ -55,18 +55,6 @@ DRAFTS = {
 SAMPLED_ORDER = ["eagle3", "sps", "eagle2", "medusa", "ada", "pld", "suffix", "eagle"]  # T=1 cells, most telling first
 
 
-def tree_block(parents: list[int], device: torch.device) -> tuple[torch.Tensor, list[int]]:
-    """(ancestor mask bool [n, n], depths [n]) of a tree given each node's parent (-1: the root)."""
-    n = len(parents)
-    mask = torch.eye(n, dtype=torch.bool)
-    depths = []
-    for i, parent in enumerate(parents):
-        if parent >= 0:
-            mask[i] |= mask[parent]
-        depths.append(0 if parent < 0 else depths[parent] + 1)
-    return mask.to(device), depths
-
-
 def invariance(target: Target, chains: list[int] = CHAINS) -> dict[str, list[int]]:
     """{block: rows whose logits differ from one-token steps} for the chains and the tree ({} = row-invariant)."""
     generator = torch.Generator().manual_seed(0)
@@ -75,7 +63,8 @@ def invariance(target: Target, chains: list[int] = CHAINS) -> dict[str, list[int
     found = {}
     for k in chains:
         found[f"chain of {k}"] = mismatched_rows(target, torch.randint(3, vocab, (k,), generator=generator).to(device))
-    mask, depths = tree_block(TREE_PARENTS, device)
+    mask, depths = tree_block(TREE_PARENTS)
+    mask = mask.to(device)
     tokens = torch.randint(3, vocab, (len(TREE_PARENTS),), generator=generator).to(device)
     found["tree of 9"] = mismatched_rows(target, tokens, mask, depths)
     return {block: rows for block, rows in found.items() if rows}

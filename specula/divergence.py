@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from specula.decoding import GenerationStats
-from specula.runtime.invariance import mismatched_rows
+from specula.runtime.invariance import mismatched_rows, tree_block
 from specula.runtime.target import Target
 
 ULPS = 4
@@ -215,16 +215,6 @@ PROBE_CHAIN = 8
 PROBE_TREE = [-1, 0, 0, 1, 1, 2, 4, 3]  # each node's parent: a root, two children, four grandchildren, one below
 
 
-def _tree_block(parents: list[int]) -> tuple[torch.Tensor, list[int]]:
-    """(ancestor mask bool [n, n], depths [n]) of a tree given each node's parent (-1: the root)."""
-    mask, depths = torch.eye(len(parents), dtype=torch.bool), []
-    for i, parent in enumerate(parents):
-        if parent >= 0:
-            mask[i] |= mask[parent]
-        depths.append(0 if parent < 0 else depths[parent] + 1)
-    return mask, depths
-
-
 @torch.no_grad()
 def probe_row_invariance(target: Target, prompt: torch.Tensor, continuation: list[int]) -> dict[str, list[int]]:
     """{block: rows whose logits are not bit-equal to one-token steps over the same tokens} after ``prompt`` [P],
@@ -237,7 +227,7 @@ def probe_row_invariance(target: Target, prompt: torch.Tensor, continuation: lis
     chain = torch.tensor(tokens, dtype=torch.long, device=target.device)
     found[f"chain of {len(tokens)}"] = mismatched_rows(target, chain)
     if len(tokens) >= len(PROBE_TREE):
-        mask, depths = _tree_block(PROBE_TREE)
+        mask, depths = tree_block(PROBE_TREE)
         found[f"tree of {len(PROBE_TREE)}"] = mismatched_rows(target, chain[:len(PROBE_TREE)],
                                                               mask.to(target.device), depths)
     target.reset()

@@ -15,7 +15,7 @@ from conftest import STORIES, tiny_model
 from specula.kernels import attention, q4_1
 from specula.kernels import float32 as float32_kernel
 from specula.runtime.forward import FeatureRequest
-from specula.runtime.invariance import block_paths, mismatched_rows
+from specula.runtime.invariance import block_paths, mismatched_rows, tree_block
 from specula.runtime.packed import Block, forward_packed
 from specula.runtime.quantized_linear import Float32Linear
 from specula.runtime.static_cache import rowwise
@@ -34,18 +34,6 @@ def format_param(fmt: str):
 
 # A 9-node tree: the root, three children, grandchildren under two of them, one great-grandchild.
 TREE_PARENTS = [-1, 0, 0, 0, 1, 1, 2, 4, 3]
-
-
-def tree_block(parents: list[int]) -> tuple[torch.Tensor, list[int]]:
-    """(ancestor mask bool [n, n], depths [n]) of a tree given each node's parent (-1: the root)."""
-    n = len(parents)
-    mask = torch.eye(n, dtype=torch.bool)
-    depths = []
-    for i, parent in enumerate(parents):
-        if parent >= 0:
-            mask[i] |= mask[parent]
-        depths.append(0 if parent < 0 else depths[parent] + 1)
-    return mask, depths
 
 
 def check_target(target: Target, ks: list[int], seed: int = 0) -> dict[str, list[int]]:

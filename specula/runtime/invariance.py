@@ -12,6 +12,17 @@ from __future__ import annotations
 import torch
 
 
+def tree_block(parents: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """(ancestor mask bool [n, n], depths [n]) of a tree given each node's parent (-1: the root), as a verify
+    pass of that tree takes them."""
+    mask, depths = torch.eye(len(parents), dtype=torch.bool), []
+    for i, parent in enumerate(parents):
+        if parent >= 0:
+            mask[i] |= mask[parent]
+        depths.append(0 if parent < 0 else depths[parent] + 1)
+    return mask, depths
+
+
 def block_paths(n: int, block_mask: torch.Tensor | None) -> list[list[int]]:
     """For each row of a block of n, the block rows it sees in order (its ancestors and itself): a chain's row i
     sees 0..i; a tree's row i the rows ``block_mask`` [n, n] marks."""
