@@ -701,30 +701,36 @@ def test_generate_takes_profile_defaults_under_explicit_options(tmp_path, monkey
     assert specula.load(STORIES, method="pld", profile=False).drafter.num_tokens != 2
 
 
-def test_tree_sweep_prints_every_setting_against_the_first_and_refuses_bad_settings(tmp_path):
-    import subprocess
-    import sys
+def test_tree_sweep_prints_every_setting_against_the_first_and_refuses_bad_settings(tmp_path, capsys):
+    import runpy
 
     from conftest import STORIES, STORY_PROMPTS
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in STORY_PROMPTS[:2]))
-    script = Path(__file__).resolve().parents[1] / "scripts" / "tree_sweep.py"
-    common = [sys.executable, str(script), "--target", str(STORIES), "--prompts", str(prompts), "--max-new-tokens", "8"]
-    run = subprocess.run([*common, "vanilla", 'pld={"num_tokens": 3}'], capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr
-    lines = run.stdout.splitlines()
+    # In this process (the script's main, as its __main__ calls it): six processes cost ~20 s of imports and loads.
+    script = runpy.run_path(str(Path(__file__).resolve().parents[1] / "scripts" / "tree_sweep.py"))
+    common = ["--target", str(STORIES), "--prompts", str(prompts), "--max-new-tokens", "8"]
+
+    def sweep(*argv: str) -> tuple[int, str, str]:
+        code = script["main"]([*common, *argv])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    code, out, err = sweep("vanilla", 'pld={"num_tokens": 3}')
+    assert code == 0, err
+    lines = out.splitlines()
     assert len(lines) == 2 and "1.00x" in lines[0] and "tau 1.00" in lines[0]
     assert 'pld={"num_tokens": 3}' in lines[1] and "tokens/s" in lines[1]
-    run = subprocess.run([*common, "--temperature", "1", "vanilla", "vanilla"], capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr
-    assert [line.split()[1] for line in run.stdout.splitlines()] == ["T=1", "T=1"]
-    run = subprocess.run([*common, "--temperature", "-1", "vanilla"], capture_output=True, text=True)
-    assert run.returncode == 2 and len(run.stderr.splitlines()) == 1 and "temperature" in run.stderr, run.stderr
-    run = subprocess.run([*common, "--max-new-tokens", "0", "vanilla"], capture_output=True, text=True)
-    assert run.returncode == 2 and run.stderr == "tree_sweep: --max-new-tokens must be >= 1, got 0\n", run.stderr
-    run = subprocess.run([*common, "vanilla", 'pld={"num_tokens": 0}'], capture_output=True, text=True)
-    assert run.returncode == 2 and len(run.stderr.splitlines()) == 1 and "Traceback" not in run.stderr
+    code, out, err = sweep("--temperature", "1", "vanilla", "vanilla")
+    assert code == 0, err
+    assert [line.split()[1] for line in out.splitlines()] == ["T=1", "T=1"]
+    code, out, err = sweep("--temperature", "-1", "vanilla")
+    assert code == 2 and len(err.splitlines()) == 1 and "temperature" in err, err
+    code, out, err = sweep("--max-new-tokens", "0", "vanilla")
+    assert code == 2 and err == "tree_sweep: --max-new-tokens must be >= 1, got 0\n", err
+    code, out, err = sweep("vanilla", 'pld={"num_tokens": 0}')
+    assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err
     prompts.write_text('{"text": "no prompt field"}\n')
-    run = subprocess.run([*common, "vanilla"], capture_output=True, text=True)
-    assert run.returncode == 2 and "expected an object with a non-empty string 'prompt'" in run.stderr
+    code, out, err = sweep("vanilla")
+    assert code == 2 and "expected an object with a non-empty string 'prompt'" in err
