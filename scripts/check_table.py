@@ -36,9 +36,13 @@ def options(label: str, weights: str) -> tuple[str, dict]:
     return label, {}
 
 
+def _p(p: float) -> str:
+    return "< 1e-300" if p == 0 else f"{p:.2g}"  # a float underflows to 0 below ~1e-308
+
+
 def row(label: str, weights: str, report: dict) -> str:
     g, s = report["greedy"], report["sampling"]
-    sampled = (f"{s['accepted']}/{s['drafted']} | {s['method']['p_value']:.3g} | {s['control']['p_value']:.2g}"
+    sampled = (f"{s['accepted']}/{s['drafted']} | {s['method']['p_value']:.3g} | {_p(s['control']['p_value'])}"
                if s else "– | – | –")
     return (f"| {label} | {weights} | {g['identical']} / {g['near_ties']} / {g['real']} | "
             f"{g['accepted']}/{g['drafted']} | {sampled} | {report['status']} | {report['seconds']:.0f} s |")
