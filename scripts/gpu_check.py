@@ -31,7 +31,7 @@ import torch
 
 from specula.certify.check import check
 from specula.runtime.forward import FeatureRequest
-from specula.runtime.invariance import mismatched_rows, tree_block
+from specula.runtime.invariance import mismatched_blocks
 from specula.runtime.packed import Block, forward_packed
 from specula.runtime.target import Target
 
@@ -57,17 +57,7 @@ SAMPLED_ORDER = ["eagle3", "sps", "eagle2", "medusa", "ada", "pld", "suffix", "e
 
 def invariance(target: Target, chains: list[int] = CHAINS) -> dict[str, list[int]]:
     """{block: rows whose logits differ from one-token steps} for the chains and the tree ({} = row-invariant)."""
-    generator = torch.Generator().manual_seed(0)
-    device, vocab = target.device, target.vocab_size
-    target.prefill(torch.randint(3, vocab, (37,), generator=generator).to(device))
-    found = {}
-    for k in chains:
-        found[f"chain of {k}"] = mismatched_rows(target, torch.randint(3, vocab, (k,), generator=generator).to(device))
-    mask, depths = tree_block(TREE_PARENTS)
-    mask = mask.to(device)
-    tokens = torch.randint(3, vocab, (len(TREE_PARENTS),), generator=generator).to(device)
-    found["tree of 9"] = mismatched_rows(target, tokens, mask, depths)
-    return {block: rows for block, rows in found.items() if rows}
+    return mismatched_blocks(target, chains, TREE_PARENTS)
 
 
 def packed_equal(target: Target) -> list[int]:

@@ -15,7 +15,7 @@ from conftest import STORIES, tiny_model
 from specula.kernels import attention, q4_1
 from specula.kernels import float32 as float32_kernel
 from specula.runtime.forward import FeatureRequest
-from specula.runtime.invariance import block_paths, mismatched_rows, tree_block
+from specula.runtime.invariance import block_paths, mismatched_blocks, mismatched_rows, tree_block
 from specula.runtime.packed import Block, forward_packed
 from specula.runtime.quantized_linear import Float32Linear
 from specula.runtime.static_cache import rowwise
@@ -38,16 +38,7 @@ TREE_PARENTS = [-1, 0, 0, 0, 1, 1, 2, 4, 3]
 
 def check_target(target: Target, ks: list[int], seed: int = 0) -> dict[str, list[int]]:
     """{block: mismatched rows} for chains of each k and the tree, after a 37-token prompt."""
-    generator = torch.Generator().manual_seed(seed)
-    vocab = target.vocab_size
-    target.prefill(torch.randint(3, vocab, (37,), generator=generator))
-    found = {}
-    for k in ks:
-        found[f"chain of {k}"] = mismatched_rows(target, torch.randint(3, vocab, (k,), generator=generator))
-    mask, depths = tree_block(TREE_PARENTS)
-    tokens = torch.randint(3, vocab, (len(TREE_PARENTS),), generator=generator)
-    found["tree of 9"] = mismatched_rows(target, tokens, mask, depths)
-    return {block: rows for block, rows in found.items() if rows}
+    return mismatched_blocks(target, ks, TREE_PARENTS, seed)
 
 
 def test_block_paths_are_each_rows_ancestors_then_itself():

@@ -293,12 +293,13 @@ def _use_float32_layout(model: nn.Module, names: list[str]) -> None:
     memory; a small one stays in cache and its extra operations cost more than they save (one row through a
     64 x 64 weight: 8 us with ``F.linear``, 69 us as two columns).
     """
-    if not any(_streams_from_memory(model.get_submodule(name), 0) for name in names):
+    cpu_float32 = [name for name in names if _streams_from_memory(model.get_submodule(name), 0)]
+    if not cpu_float32:
         return  # no float32 CPU linear (a GPU target): no CPU kernel to build
     if float32_kernel() is not None:  # the row-invariant kernel: every float32 CPU linear, whatever its size
-        large_cpu_float32 = [name for name in names if _streams_from_memory(model.get_submodule(name), 0)]
+        large_cpu_float32 = cpu_float32
     else:
-        large_cpu_float32 = [name for name in names if _streams_from_memory(model.get_submodule(name))]
+        large_cpu_float32 = [name for name in cpu_float32 if _streams_from_memory(model.get_submodule(name))]
     if not large_cpu_float32 or (float32_kernel() is None and not columns_layout_pays()):
         return
     for name in large_cpu_float32:
