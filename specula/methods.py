@@ -27,6 +27,7 @@ from specula.drafters.base import Drafter
 from specula.drafters.draft_model import DraftModelDrafter, check_same_vocabulary
 from specula.drafters.eagle import EAGLE2_BUDGETS, EAGLE3_BUDGETS, EagleDrafter
 from specula.drafters.medusa import build_medusa_drafter
+from specula.drafters.merged import MergedDrafter
 from specula.drafters.prompt_lookup import PromptLookupDrafter
 from specula.drafters.suffix import build_suffix_drafter
 from specula.drafters.vanilla import VanillaDrafter
@@ -37,6 +38,7 @@ from specula.options import (
     CHOICES,
     DEPTH,
     DRAFT_WEIGHTS,
+    HEAD_ONLY,
     LDLP,
     MAX_NGRAM,
     MIN_NGRAM,
@@ -125,17 +127,28 @@ def _sps(target: Target, draft: Path | None, options: dict, dtype: str) -> Draft
     return DraftModelDrafter(draft_model, **options)
 
 
+def _with_suffix(drafter: EagleDrafter, head_only: bool = False) -> Drafter:
+    """The head drafter with the suffix drafter's candidates grafted onto its trees (`specula.drafters.merged`),
+    unless ``head_only``."""
+    return drafter if head_only else MergedDrafter(drafter, build_suffix_drafter())
+
+
 def _eagle(dynamic: bool) -> Callable[[Target, Path | None, dict, str], Drafter]:
     def build(target: Target, draft: Path | None, options: dict, dtype: str) -> Drafter:
+        options = dict(options)
+        head_only = options.pop(HEAD_ONLY.name, False)
         head = EagleHead.from_pretrained(draft, dtype=target.dtype, device=target.device)
-        return EagleDrafter(target, head, dynamic=dynamic, budgets=EAGLE2_BUDGETS, **options)
+        return _with_suffix(EagleDrafter(target, head, dynamic=dynamic, budgets=EAGLE2_BUDGETS, **options), head_only)
     return build
 
 
 def _eagle3(target: Target, draft: Path | None, options: dict, dtype: str) -> Drafter:
+    options = dict(options)
+    head_only = options.pop(HEAD_ONLY.name, False)
     head = Eagle3Head.from_pretrained(draft, dtype=target.dtype, device=target.device,
                                       num_target_layers=target.config.num_hidden_layers)
-    return EagleDrafter(target, head, dynamic=True, name="eagle3", budgets=EAGLE3_BUDGETS, **options)
+    drafter = EagleDrafter(target, head, dynamic=True, name="eagle3", budgets=EAGLE3_BUDGETS, **options)
+    return _with_suffix(drafter, head_only)
 
 
 def _check_dynamic_tree(options: dict) -> None:
@@ -174,13 +187,14 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            (NUM_TOKENS, MAX_NGRAM, MIN_NGRAM), _pld, check=_check_pld),
     Method("suffix", "suffix decoding: the most frequent continuations of the longest earlier match, as a tree",
            (NUM_TOKENS, *SUFFIX_OPTIONS), _suffix, check=_check_suffix),
-    Method("eagle", "EAGLE head drafting a static tree", (CHOICES,), _eagle(dynamic=False),
+    Method("eagle", "EAGLE head drafting a static tree", (CHOICES, HEAD_ONLY), _eagle(dynamic=False),
            draft=HEAD.format("EAGLE"), why_not="eagle drafts a static tree given by --tree-choices; eagle2 grows "
            "dynamic trees"),
-    Method("eagle2", "EAGLE head drafting EAGLE-2 dynamic trees", (TOTAL_TOKENS, DEPTH, TOP_K), _eagle(dynamic=True),
+    Method("eagle2", "EAGLE head drafting EAGLE-2 dynamic trees", (TOTAL_TOKENS, DEPTH, TOP_K, HEAD_ONLY),
+           _eagle(dynamic=True),
            draft=HEAD.format("EAGLE"), check=_check_dynamic_tree),
     Method("eagle3", "EAGLE-3 head (fused features, draft vocabulary) drafting dynamic trees",
-           (TOTAL_TOKENS, DEPTH, TOP_K), _eagle3, draft=HEAD.format("EAGLE-3"), check=_check_dynamic_tree),
+           (TOTAL_TOKENS, DEPTH, TOP_K, HEAD_ONLY), _eagle3, draft=HEAD.format("EAGLE-3"), check=_check_dynamic_tree),
     Method("medusa", "Medusa heads drafting a static candidate tree", (CHOICES,), _medusa,
            draft=HEAD.format("Medusa"), why_not="Medusa drafts a static tree given by --tree-choices"),
     Method("ada", "EAGLE head drafting chains whose length an AdaEAGLE predictor (LDLP) sets",

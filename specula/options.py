@@ -108,6 +108,8 @@ LDLP = OptionSpec("ldlp", "path", "--ldlp", "ada: the draft length predictor (de
 DRAFT_WEIGHTS = OptionSpec("draft_weights", "weights", "--draft-weights",
                            "sps: the draft model's weight format (default: float32)", None, "FORMAT")
 TREE = OptionSpec("tree", "bool", "--ada-tree", "ada: a dynamic tree of the predicted depth instead of a chain")
+HEAD_ONLY = OptionSpec("head_only", "bool", "--head-only", "draft from the head alone, without grafting the suffix "
+                       "drafter's candidates onto its tree")
 SUFFIX_OPTIONS = (
     OptionSpec("max_match", "int", "--suffix-max-match", "suffix: longest phrase matched (tokens)", 1, "N"),
     OptionSpec("spec_factor", "float", "--suffix-spec-factor", "suffix: draft nodes per matched token", 0.0, "F"),

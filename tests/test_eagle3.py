@@ -259,7 +259,7 @@ def test_a_compiled_head_step_computes_what_the_eager_step_computes(stories_targ
 
 def test_eagle3_on_a_compiled_target_drafts_compiled_and_decodes_what_transformers_decodes(eagle3_head_dir):
     speculator = specula.load(STORIES, method="eagle3", draft=eagle3_head_dir, dtype="float32", compile=True,
-                              profile=False)
+                              profile=False, head_only=True)
     assert speculator.drafter.head_step.graph is not None
     accepted = 0
     for prompt in STORY_PROMPTS[16:18]:
@@ -279,7 +279,7 @@ def test_an_eagle3_head_compiled_after_an_eagle_head_runs_its_own_graph():
 
     data = Path(__file__).parent / "data"
     speculators = {method: specula.load(STORIES, method=method, draft=data / head, dtype="float32", compile=True,
-                                        profile=False)
+                                        profile=False, head_only=True)
                    for method, head in (("eagle", "eagle-stories260k"), ("eagle3", "eagle3-stories260k"))}
     vanilla = specula.load(STORIES, method="vanilla", dtype="float32", profile=False)
     ids = vanilla.encode(STORY_PROMPTS[16])
@@ -289,5 +289,6 @@ def test_an_eagle3_head_compiled_after_an_eagle_head_runs_its_own_graph():
         assert result.token_ids == expected and sum(result.stats.accepted_lengths) > 0
     eagle_head, eagle3_head = (s.drafter.head for s in speculators.values())
     assert graph_function(eagle_head) is not graph_function(eagle3_head)
-    again = specula.load(STORIES, method="eagle3", draft=data / "eagle3-stories260k", dtype="float32", profile=False)
+    again = specula.load(STORIES, method="eagle3", draft=data / "eagle3-stories260k", dtype="float32", profile=False,
+                         head_only=True)
     assert graph_function(again.drafter.head) is graph_function(eagle3_head)  # one structure, one graph

@@ -37,7 +37,9 @@ from scipy import stats
 
 from specula.acceptance import Acceptance, Acceptor
 from specula.decoding import generate_tokens
+from specula.drafters import merged
 from specula.drafters.draft_model import DraftModelDrafter
+from specula.drafters.merged import graft
 from specula.drafters.prompt_lookup import PromptLookupDrafter
 from specula.runtime.plain_model import transformers_model
 from specula.runtime.target import Target
@@ -203,6 +205,7 @@ class TreeCase:
     branching: tuple[int, ...]
     sampled: bool
     params: SamplingParams = SamplingParams(temperature=1.0)
+    grafted: tuple[int, ...] = ()  # a point-mass tree of this branching grafted on (`specula.drafters.merged`)
 
 
 WARPED = SamplingParams(temperature=0.7, top_k=4, top_p=0.9)
@@ -213,6 +216,9 @@ CASES = {
     "tree3x2-deterministic": TreeCase((3, 2), sampled=False),
     "tree3x2-sampled-warped": TreeCase((3, 2), sampled=True, params=WARPED),
     "tree3x2-deterministic-warped": TreeCase((3, 2), sampled=False, params=WARPED),
+    # What merged drafting verifies at T > 0: sampled head nodes, and beside and below them the point-mass
+    # nodes of a second drafter (one-hot rows), grafted where their tokens coincide.
+    "tree2x1-sampled-grafted": TreeCase((2, 1), sampled=True, grafted=(2, 2)),
 }
 
 
@@ -229,12 +235,18 @@ class SyntheticDrafter:
         self.rng = np.random.default_rng(seed)
 
     def propose(self, root: int) -> DraftTree:
+        tree = self._grow(root, self.case.branching, self.case.sampled)
+        if self.case.grafted:
+            tree = graft(tree, self._grow(root, self.case.grafted, sampled=False))
+        return tree
+
+    def _grow(self, root: int, branching: tuple[int, ...], sampled: bool) -> DraftTree:
         tokens, parents, frontier = [root], [-1], [0]
-        for width in self.case.branching:
+        for width in branching:
             next_frontier = []
             for node in frontier:
                 t = tokens[node]
-                if self.case.sampled:  # i.i.d. draws from q(. | t), with replacement
+                if sampled:  # i.i.d. draws from q(. | t), with replacement
                     kids = np.searchsorted(self.cdf[t], self.rng.random(width), side="right").clip(max=V - 1)
                 else:
                     kids = self.top[t, :width]
@@ -245,7 +257,7 @@ class SyntheticDrafter:
             frontier = next_frontier
         token_tensor = torch.tensor(tokens)
         draft_probs = None
-        if self.case.sampled:
+        if sampled:
             # Row i is the distribution node i was sampled from, q(. | token of its parent); row 0 unused.
             draft_probs = self.q_probs[token_tensor[[0, *parents[1:]]]]
         return DraftTree(token_tensor, parents, draft_probs)
@@ -320,21 +332,49 @@ def test_speculative_sampling_matches_target_distribution(case_name):
     assert min(pvalues.values()) >= ALPHA, pvalues
 
 
-@pytest.mark.parametrize("case_name", ["chain3-sampled", "tree3x2-sampled", "tree3x2-deterministic"])
+@pytest.mark.parametrize("case_name", ["chain3-sampled", "tree3x2-sampled", "tree3x2-deterministic",
+                                       "tree2x1-sampled-grafted"])
 def test_broken_residual_acceptor_is_rejected(case_name):
     pvalues, _ = acceptor_pvalues(accept_bonus_from_unmodified_p, case_name)
     assert min(pvalues.values()) < ALPHA, pvalues
 
 
-@pytest.mark.parametrize("case_name", ["chain3-sampled", "tree3x2-sampled", "tree3x2-deterministic"])
+@pytest.mark.parametrize("case_name", ["chain3-sampled", "tree3x2-sampled", "tree3x2-deterministic",
+                                       "tree2x1-sampled-grafted"])
 def test_always_accepting_acceptor_is_rejected(case_name):
     pvalues, _ = acceptor_pvalues(accept_first_child_always, case_name)
     assert min(pvalues.values()) < ALPHA, pvalues
 
 
-@pytest.mark.parametrize("case_name", ["tree3x2-sampled", "tree3x2-deterministic"])
+@pytest.mark.parametrize("case_name", ["tree3x2-sampled", "tree3x2-deterministic", "tree2x1-sampled-grafted"])
 def test_sibling_rounds_without_residual_update_are_rejected(case_name):
     pvalues, _ = acceptor_pvalues(accept_siblings_against_original_p, case_name)
+    assert min(pvalues.values()) < ALPHA, pvalues
+
+
+def graft_judging_shared_nodes_as_point_masses(head: DraftTree, suffix: DraftTree) -> DraftTree:
+    """The merge's own way of failing: where a point-mass node falls on a sampled one, judge the shared node by
+    the point-mass rule (a one-hot row) instead of by the q it was drawn from."""
+    tree = merged.graft(head, suffix)
+    tokens, shared = tree.tokens.tolist(), []
+    for node in range(1, len(suffix)):  # walk suffix paths through the merged tree
+        at = 0
+        for token in suffix.tokens[suffix.path_to(node)[1:]].tolist():
+            at = next(c for c in tree.children(at) if tokens[c] == token)
+        if at < len(head):
+            shared.append(at)
+    probs = tree.draft_probs.clone()
+    for node in shared:
+        probs[node] = 0.0
+        probs[node, tokens[node]] = 1.0
+    return DraftTree(tree.tokens, tree.parents, probs)
+
+
+def test_a_graft_judging_sampled_nodes_by_the_point_mass_rule_is_rejected(monkeypatch):
+    assert "graft" in globals()  # the drafter below calls this module's name, which the patch replaces
+    monkeypatch.setitem(globals(), "graft", graft_judging_shared_nodes_as_point_masses)
+    pvalues, result = acceptor_pvalues(Acceptor(), "tree2x1-sampled-grafted")
+    assert result.accepted_drafts > N_ACCEPTOR // 10
     assert min(pvalues.values()) < ALPHA, pvalues
 
 

@@ -396,7 +396,7 @@ def test_every_method_decodes_what_vanilla_decodes_with_the_same_weights(quantiz
                                            "heads" / "bundled" / "medusa-stories260k")])
 def test_a_draft_head_drafts_in_the_targets_weight_format(int4_stories, method, head):
     drafter = specula.load(int4_stories.target, method=method, draft=head).drafter
-    module = drafter.heads if method == "medusa" else drafter.head
+    module = drafter.heads if method == "medusa" else drafter.head_drafter.head
     linears = [m for m in module.modules() if isinstance(m, (torch.nn.Linear, Int4Linear))]
     assert linears and all(isinstance(m, Int4Linear) for m in linears)
 
