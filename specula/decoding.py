@@ -19,6 +19,7 @@ import torch
 from specula.acceptance import Acceptor
 from specula.drafters.base import Drafter
 from specula.errors import SpeculaError
+from specula.runtime.compiled_step import WARM_UP_BLOCK
 from specula.runtime.packed import Block
 from specula.runtime.target import ForwardOutput, Target
 from specula.sampling import SamplingParams, make_generator, pick_token
@@ -188,6 +189,18 @@ def stream_tokens(target: Target, drafter: Drafter, prompt: torch.Tensor, max_ne
     sequence = Sequence(target, drafter, prompt, max_new_tokens, params, seed, stop_on_eos, acceptor, stats)
     while not sequence.done:
         yield sequence.advance(sequence.block().run(target))
+
+
+def warm_up(target: Target, drafter: Drafter, max_block: int = WARM_UP_BLOCK) -> None:
+    """Compile now what a run of ``drafter`` on a compiled ``target`` will meet (the target's blocks of up to
+    ``max_block`` tokens with the drafter's features, and the drafter's own compiled steps where it has a
+    ``warm_up``), so that no timed question or served request pays for a compilation. Nothing unless compiled."""
+    if not target.compiled:
+        return
+    target.warm_up(max_block, drafter.features)
+    drafter_warm_up = getattr(drafter, "warm_up", None)  # drafters that compile steps of their own (a head's)
+    if drafter_warm_up is not None:
+        drafter_warm_up(max_block)
 
 
 def node_records(tree: DraftTree, accepted_nodes: list[int]) -> list[tuple[float, bool, int]]:

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import STORIES
 
 from specula.drafters.merged import MergedDrafter, graft
 from specula.errors import SpeculaError
 from specula.methods import build_speculator, check_options
 from specula.tree import DraftTree
 
+REPEATING_STORY = 'Lily said, "Hi!" Tom said, "Hi!" Lily said, "Hi!" Tom said'
 REPEATING = "Repeat after me three times: the quick brown fox jumps over the lazy dog."
 
 
@@ -89,3 +91,19 @@ def test_forks_draft_from_their_own_generation(smollm2):
     assert fork.head_drafter.head is drafter.head_drafter.head  # the weights are shared
     assert fork.suffix_drafter.index is not drafter.suffix_drafter.index
     assert fork.name == "eagle3" and fork.features == speculator.drafter.features
+
+
+def test_after_warm_up_a_compiled_merged_generation_compiles_nothing(eagle3_head_dir):
+    """`specula.decoding.warm_up` compiles the head's steps too: in a compiled bench the head's first steps had
+    compiled inside timed questions (merged drafting meets catch-up blocks of up to 9 pairs)."""
+    from torch._dynamo.utils import counters
+
+    from specula.decoding import warm_up
+
+    speculator = build_speculator(STORIES, "eagle3", draft=eagle3_head_dir, dtype="float32", compile=True,
+                                  profile=False)
+    warm_up(speculator.target, speculator.drafter)
+    compiled_before = counters["stats"]["unique_graphs"]
+    result = speculator.generate(REPEATING_STORY, max_new_tokens=48, stop_on_eos=False)
+    assert max(result.stats.accepted_lengths) > 1  # suffix drafts were accepted: catch-up blocks of several pairs
+    assert counters["stats"]["unique_graphs"] == compiled_before

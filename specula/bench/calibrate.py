@@ -36,7 +36,7 @@ from specula.bench.agreement import ArgmaxReference
 from specula.bench.metrics import depth_counts, pooled_alpha
 from specula.bench.runners import RecordingDrafter, accepted_path
 from specula.chat.template import conversation_ids
-from specula.decoding import generate_tokens
+from specula.decoding import generate_tokens, warm_up
 from specula.divergence import NEAR_TIE, REAL, check_greedy
 from specula.drafters.vanilla import VanillaDrafter
 from specula.errors import SpeculaError
@@ -206,7 +206,7 @@ def calibrate(opts: CalibrationOptions, log=lambda message: None) -> dict:
         # A compiled step pads a block to its bucket: every size it will verify is measured (not interpolated
         # between powers of two), all of them compiled before any is timed.
         log(f"compiling the target's steps (blocks of up to {WARM_UP_BLOCK} tokens)")
-        target.warm_up(WARM_UP_BLOCK, inner.features)
+        warm_up(target, inner, WARM_UP_BLOCK)
         sizes = tuple(range(1, WARM_UP_BLOCK + 1))
     draft = resolve_draft(opts.method, opts.target, opts.draft)
     drafter = RecordingDrafter(inner)

@@ -43,6 +43,7 @@ from specula.bench.questions import Question
 from specula.bench.report import write_report
 from specula.bench.runners import make_runner, max_rss_mb, rss_mb
 from specula.chat.template import conversation_ids
+from specula.decoding import warm_up
 from specula.errors import SpeculaError
 from specula.files.outputs import atomic_write_text
 from specula.gguf.cache import file_sha256
@@ -334,9 +335,9 @@ def _run_bench(settings: BenchSettings, resources: contextlib.ExitStack) -> dict
                 drafter = getattr(runners[spec.label], "drafter", None)
                 if drafter is not None:
                     if settings.progress:
-                        print(f"compiling the target's steps for {spec.label} (blocks of up to "
+                        print(f"compiling the steps of {spec.label} (target blocks of up to "
                               f"{WARM_UP_BLOCK} tokens)", file=sys.stderr, flush=True)
-                    target.warm_up(WARM_UP_BLOCK, drafter.features)
+                    warm_up(target, drafter, WARM_UP_BLOCK)
         # Warm-up: one short generation per method and temperature (not recorded).
         first = settings.questions[0]
         ids, _ = conversation_ids(target.tokenizer, [first.turns[0]], [], max_prompt_tokens)

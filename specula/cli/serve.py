@@ -15,6 +15,7 @@ from specula.cli.common import (
     number_in,
     positive_int,
 )
+from specula.decoding import warm_up
 from specula.errors import SpeculaError
 from specula.methods import DEFAULT_TARGET, build_speculator
 from specula.runtime.compiled_step import WARM_UP_BLOCK
@@ -83,7 +84,7 @@ def run_serve(args: argparse.Namespace) -> int:
         if speculator.target.compiled:  # before serving: no request should wait for a compilation
             print(f"{PROG}: compiling the target's steps (blocks of up to {WARM_UP_BLOCK} tokens; about half a "
                   "minute the first time on a small CPU)", file=sys.stderr, flush=True)
-            speculator.target.warm_up(WARM_UP_BLOCK, speculator.drafter.features)
+            warm_up(speculator.target, speculator.drafter, WARM_UP_BLOCK)
         settings = ServeSettings(model_name=args.model_name, api_key=args.api_key, max_queue=args.max_queue,
                                  max_tokens_limit=args.max_tokens_limit, max_batch=args.max_batch,
                                  draft_budget=args.draft_budget, body_timeout_s=args.body_timeout,

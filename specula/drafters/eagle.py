@@ -31,7 +31,7 @@ import torch
 
 from specula.errors import SpeculaError
 from specula.heads.base import DraftHead
-from specula.runtime.compiled_step import HeadStep
+from specula.runtime.compiled_step import BLOCK_BUCKETS, HeadStep
 from specula.runtime.target import ForwardOutput, Target
 from specula.runtime.weights import quantize_every_linear
 from specula.sampling import SamplingParams, probabilities
@@ -185,6 +185,29 @@ class EagleDrafter:
         # whose budget says drafting does not pay); the next draft feeds them all in one head step.
         features = self.head.target_features(target_out)
         self.pending = features if self.pending is None else torch.cat([self.pending, features])
+
+    def warm_up(self, max_block: int) -> None:
+        """Compile now the head steps a generation meets (nothing unless the head step is compiled): the catch-up
+        step over every padded size of up to ``max_block`` pairs, plain and with the greedy one-level top tokens,
+        so that no timed draft pays for a compilation. Tree levels deeper than one still compile when met.
+        Leaves the target's and the head's caches empty."""
+        if self.head_step.graph is None:
+            return
+        target = self.target
+        token = torch.zeros(1, dtype=torch.long, device=target.device)
+        feature = self.head.target_features(target.prefill(token, self.features))  # [1, F]
+        target.reset()
+        embed = self.embed(token)
+        self.cache.truncate(0)
+        self.head_step(feature, embed, torch.zeros(1, dtype=torch.long, device=target.device), self.cache, None)
+        self.cache.commit()  # a prefix: a compiled step never runs into an empty cache
+        for size in (b for b in BLOCK_BUCKETS if b <= max_block):
+            positions = torch.arange(1, 1 + size, device=target.device)
+            for top in (0, max(self._one_level_ranks()) + 1):
+                self.head_step(feature.expand(size, -1), embed.expand(size, -1), positions, self.cache, None, top=top)
+                self.cache.truncate(1)
+        self.cache.truncate(0)
+        self.pending = None
 
     def fork(self) -> EagleDrafter:
         other = copy.copy(self)  # the head and the static plans are shared; the state is its KV cache and pending

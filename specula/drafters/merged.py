@@ -98,5 +98,9 @@ class MergedDrafter:
         self.head_drafter.observe(accepted, target_out)
         self.suffix_drafter.observe(accepted, target_out)
 
+    def warm_up(self, max_block: int) -> None:
+        """The head drafter's compiled steps, compiled now (`specula.decoding.warm_up`)."""
+        self.head_drafter.warm_up(max_block)
+
     def fork(self) -> MergedDrafter:
         return MergedDrafter(self.head_drafter.fork(), self.suffix_drafter.fork())
