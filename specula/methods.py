@@ -127,28 +127,28 @@ def _sps(target: Target, draft: Path | None, options: dict, dtype: str) -> Draft
     return DraftModelDrafter(draft_model, **options)
 
 
-def _with_suffix(drafter: EagleDrafter, head_only: bool = False) -> Drafter:
-    """The head drafter with the suffix drafter's candidates grafted onto its trees (`specula.drafters.merged`),
-    unless ``head_only``."""
+def _merged(build_head_drafter: Callable[[dict], EagleDrafter], options: dict) -> Drafter:
+    """The head drafter ``build_head_drafter(options)`` builds, with the suffix drafter's candidates grafted onto
+    its trees (`specula.drafters.merged`) unless the option ``head_only`` says not to."""
+    options = dict(options)
+    head_only = options.pop(HEAD_ONLY.name, False)
+    drafter = build_head_drafter(options)
     return drafter if head_only else MergedDrafter(drafter, build_suffix_drafter())
 
 
 def _eagle(dynamic: bool) -> Callable[[Target, Path | None, dict, str], Drafter]:
     def build(target: Target, draft: Path | None, options: dict, dtype: str) -> Drafter:
-        options = dict(options)
-        head_only = options.pop(HEAD_ONLY.name, False)
         head = EagleHead.from_pretrained(draft, dtype=target.dtype, device=target.device)
-        return _with_suffix(EagleDrafter(target, head, dynamic=dynamic, budgets=EAGLE2_BUDGETS, **options), head_only)
+        return _merged(lambda rest: EagleDrafter(target, head, dynamic=dynamic, budgets=EAGLE2_BUDGETS, **rest),
+                       options)
     return build
 
 
 def _eagle3(target: Target, draft: Path | None, options: dict, dtype: str) -> Drafter:
-    options = dict(options)
-    head_only = options.pop(HEAD_ONLY.name, False)
     head = Eagle3Head.from_pretrained(draft, dtype=target.dtype, device=target.device,
                                       num_target_layers=target.config.num_hidden_layers)
-    drafter = EagleDrafter(target, head, dynamic=True, name="eagle3", budgets=EAGLE3_BUDGETS, **options)
-    return _with_suffix(drafter, head_only)
+    return _merged(lambda rest: EagleDrafter(target, head, dynamic=True, name="eagle3", budgets=EAGLE3_BUDGETS,
+                                             **rest), options)
 
 
 def _check_dynamic_tree(options: dict) -> None:

@@ -201,9 +201,10 @@ class EagleDrafter:
         self.cache.truncate(0)
         self.head_step(feature, embed, torch.zeros(1, dtype=torch.long, device=target.device), self.cache, None)
         self.cache.commit()  # a prefix: a compiled step never runs into an empty cache
+        tops = (0, max(self._one_level_ranks()) + 1)  # a plain catch-up, and the greedy one-level draft's
         for size in (b for b in BLOCK_BUCKETS if b <= max_block):
             positions = torch.arange(1, 1 + size, device=target.device)
-            for top in (0, max(self._one_level_ranks()) + 1):
+            for top in tops:
                 self.head_step(feature.expand(size, -1), embed.expand(size, -1), positions, self.cache, None, top=top)
                 self.cache.truncate(1)
         self.cache.truncate(0)

@@ -17,6 +17,7 @@ the target's coins are thrown, and the multi-round rule stays valid whichever si
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from specula.drafters.base import Drafter
 from specula.runtime.target import ForwardOutput
@@ -32,8 +33,8 @@ def graft(head: DraftTree, suffix: DraftTree) -> DraftTree:
     """
     if len(suffix) == 1:
         return head
-    if len(head) == 1:
-        return suffix if head.draft_probs is None else _with_point_masses(suffix, head.draft_probs.shape[-1])
+    if len(head) == 1 and head.draft_probs is None:
+        return suffix  # nothing to graft onto, no distributions to widen
     tokens, parents = head.tokens.tolist(), list(head.parents)
     child_of: dict[tuple[int, int], int] = {}  # (parent, token) -> the first such node (sampled siblings may repeat)
     for node in range(len(tokens) - 1, 0, -1):
@@ -56,21 +57,13 @@ def graft(head: DraftTree, suffix: DraftTree) -> DraftTree:
     device = head.tokens.device
     draft_probs = head.draft_probs
     if draft_probs is not None:
-        added = torch.zeros(len(new_nodes), draft_probs.shape[-1], dtype=draft_probs.dtype, device=draft_probs.device)
-        added[torch.arange(len(new_nodes)), suffix.tokens[new_nodes].to(draft_probs.device)] = 1.0
-        draft_probs = torch.cat([draft_probs, added])
+        added = F.one_hot(suffix.tokens[new_nodes].to(draft_probs.device), draft_probs.shape[-1])
+        draft_probs = torch.cat([draft_probs, added.to(draft_probs.dtype)])
     confidences = None
     if head.confidences is not None and suffix.confidences is not None:
         confidences = torch.cat([torch.as_tensor(head.confidences).float().cpu(),
                                  torch.as_tensor(suffix.confidences).float().cpu()[new_nodes]])
     return DraftTree(torch.tensor(tokens, dtype=torch.long, device=device), parents, draft_probs, confidences)
-
-
-def _with_point_masses(tree: DraftTree, vocab_size: int) -> DraftTree:
-    """A point-mass tree with one-hot ``draft_probs`` rows [n, vocab_size] (row 0 unused), for a sampled cycle."""
-    probs = torch.zeros(len(tree), vocab_size)
-    probs[torch.arange(1, len(tree)), tree.tokens[1:].cpu()] = 1.0
-    return DraftTree(tree.tokens, list(tree.parents), probs.to(tree.tokens.device), tree.confidences)
 
 
 class MergedDrafter:
