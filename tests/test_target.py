@@ -230,6 +230,29 @@ def test_a_warmed_up_compiled_target_compiles_nothing_while_it_decodes():
     assert counters["stats"]["unique_graphs"] == warmed  # ... by the graphs the warm-up left
 
 
+def test_a_compiled_target_keeps_one_cache_shape_however_long_the_sequence_grows():
+    """A compiled cache is allocated whole: a prompt past the first eager allocation meets no new graph (a cache
+    that grew met a new shape, and every bucket compiled again in the middle of a long request)."""
+    from torch._dynamo.utils import counters
+
+    from specula.runtime.static_cache import SLOT_STEP
+
+    target = Target(tiny_model("llama", seed=3, max_position_embeddings=8 * SLOT_STEP))
+    target.compile()
+    assert target.runtime.cache.allocated == target.max_length == 8 * SLOT_STEP
+    counters.clear()
+    target.warm_up(2)
+    warmed = counters["stats"]["unique_graphs"]
+    for prompt_length in (10, 5 * SLOT_STEP):
+        target.reset()
+        target.prefill(torch.randint(0, 97, (prompt_length,), generator=torch.Generator().manual_seed(1)))
+        for block in (torch.tensor([3]), torch.tensor([5, 8])):
+            target.forward(block)
+            target.commit()
+    assert target.length == 5 * SLOT_STEP + 3
+    assert counters["stats"]["unique_graphs"] == warmed
+
+
 def test_a_compiled_block_near_the_context_limit_runs_eager_instead_of_padding_past_it():
     """3 tokens pad to 4: with 2 slots left the padding has nowhere to go, so that block takes the eager step."""
     model = tiny_model("llama", seed=2)

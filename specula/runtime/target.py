@@ -16,7 +16,7 @@ import torch
 from specula.chat.template import end_of_turn_ids
 from specula.errors import SpeculaError
 from specula.kernels import has_cpp_compiler
-from specula.runtime.compiled_step import BLOCK_BUCKETS, CACHE_STEP, CompiledStep
+from specula.runtime.compiled_step import BLOCK_BUCKETS, CompiledStep
 from specula.runtime.forward import (
     LLAMA_FAMILY,
     FeatureRequest,
@@ -89,7 +89,7 @@ class Target:
 
     def warm_up(self, max_block: int, features: FeatureRequest = FeatureRequest()) -> None:
         """Compile now the steps a run will meet: every padded block size up to ``max_block`` tokens, with the
-        features a drafter asks for, at the cache size a generation of up to `CACHE_STEP` tokens allocates.
+        features a drafter asks for (the compiled cache has one size: `compiled_step`).
 
         Nothing to do unless the target is `compile`d. For a benchmark or a server, so that no timed request
         pays for a compilation (~15 s for the first shape cold on a small CPU, seconds for each next one and
@@ -100,7 +100,6 @@ class Target:
             return
         tokens = torch.zeros(max_block + 1, dtype=torch.long, device=self.device)
         self.reset()
-        self.reserve(min(CACHE_STEP, self.max_length))
         self.prefill(tokens[:1], features)
         for size in (b for b in BLOCK_BUCKETS if b <= min(max_block, self.max_length - 1)):
             self.forward(tokens[1:size + 1], features=features)
