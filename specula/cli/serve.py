@@ -19,6 +19,7 @@ from specula.decoding import warm_up
 from specula.errors import SpeculaError
 from specula.methods import DEFAULT_TARGET, build_speculator
 from specula.runtime.compiled_step import WARM_UP_BLOCK
+from specula.runtime.heap import long_lived_objects_frozen
 from specula.runtime.profile import load_profile
 from specula.serve import BODY_TIMEOUT_S
 from specula.serve.budget import DEFAULT_MAX_BATCH, parse_budget_table
@@ -89,7 +90,9 @@ def run_serve(args: argparse.Namespace) -> int:
                                  max_tokens_limit=args.max_tokens_limit, max_batch=args.max_batch,
                                  draft_budget=args.draft_budget, body_timeout_s=args.body_timeout,
                                  verify_curve=None if args.no_profile else profile_curve(speculator.target))
-        serve(create_app(speculator, settings), host=args.host, port=args.port, log_level=args.log_level, sock=sock)
+        with long_lived_objects_frozen():  # no request pays for collecting the startup's objects
+            serve(create_app(speculator, settings), host=args.host, port=args.port, log_level=args.log_level,
+                  sock=sock)
     finally:  # also when loading fails: main() may run inside a larger program
         sock.close()
     return 0

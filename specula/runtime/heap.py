@@ -1,4 +1,6 @@
-"""Handing freed memory back to the operating system while a model is converted (glibc's allocator).
+"""Memory housekeeping of a long-running process: handing freed memory back to the operating system while a
+model is converted (glibc's allocator), and keeping Python's garbage collector off the objects that live for
+the whole run (`freeze_long_lived_objects`).
 
 glibc serves an allocation from its heap unless it is larger than a threshold, and raises that threshold to
 the size of each large block freed (up to 32 MiB), so after the first few temporaries of a conversion every
@@ -12,6 +14,7 @@ Elsewhere than glibc (macOS, musl) these do nothing.
 from __future__ import annotations
 
 import ctypes
+import gc
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -53,3 +56,24 @@ def large_frees_returned() -> Iterator[None]:
         libc.mallopt(M_MMAP_THRESHOLD, RUN_MMAP_THRESHOLD)
         libc.mallopt(M_TRIM_THRESHOLD, RUN_TRIM_THRESHOLD)
         libc.malloc_trim(0)
+
+
+
+@contextmanager
+def long_lived_objects_frozen() -> Iterator[None]:
+    """Collect once, then hide every object alive now from the collections inside (`gc.freeze`); give them
+    back on exit.
+
+    For a process that loaded its models and benchmarks or serves from then on. Python's full collection walks
+    every tracked object, and after loading torch, transformers and a model that is some 200,000 of them:
+    ~230 ms a collection on the reference CPU. One came every few long prompts, set off by the suffix drafter's
+    trie nodes (16,000 for a 1,000-token prompt), and landed in a timed draft (Spec-Bench RAG: 28.6 ms a cycle
+    instead of ~3 over one question). With the startup objects frozen a full collection takes ~1 ms. Reference
+    counting still frees frozen objects, and cycles among them are collected after the exit.
+    """
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
