@@ -4,4 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
 .venv/bin/ruff check specula tests
-exec .venv/bin/python -m pytest "$@"
+# One worker per core, each test file on one worker (its module fixtures load once); `-n 0` runs in one process.
+exec .venv/bin/python -m pytest -n auto --dist loadfile "$@"

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+
+# Under pytest-xdist (`scripts/test.sh` runs one worker per core) each worker gets one intra-op thread: two
+# workers of two threads each on two cores would only take turns.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED_MODELS = REPO.parent / "shared" / "models"
