@@ -35,7 +35,9 @@ Static shapes keep it to a few compilations (the gpt-fast recipe):
   Spec-Bench's summarization ran at 0.96x vanilla for it). The size costs nothing per step (SmolLM2 q4_1,
   300-token prefix, 1 / 4 tokens: 14.6 / 16.6 ms with 1,024 slots, 14.0 / 15.7 ms with 8,192), and memory
   only where slots are written (`StaticKVCache.reserve` leaves new slots unwritten: 8,192 slots of SmolLM2,
-  362 MiB of float32 keys and values, are 16 MiB resident after 300 tokens).
+  362 MiB of float32 keys and values, are 16 MiB resident after 300 tokens). On a GPU the whole allocation is
+  taken at once (gpt-fast and vLLM preallocate the same way): 8,192 slots of an 8B Llama in bfloat16 are 1 GiB;
+  a smaller ``max_length`` at load bounds it.
 Bench and serve compile every bucket before their first request (`Target.warm_up`).
 Prefills (a block into an empty cache), longer blocks and sliding-window models run the eager step.
 
