@@ -1,6 +1,6 @@
 """Memory housekeeping of a long-running process: handing freed memory back to the operating system while a
 model is converted (glibc's allocator), and keeping Python's garbage collector off the objects that live for
-the whole run (`freeze_long_lived_objects`).
+the whole run (`long_lived_objects_frozen`).
 
 glibc serves an allocation from its heap unless it is larger than a threshold, and raises that threshold to
 the size of each large block freed (up to 32 MiB), so after the first few temporaries of a conversion every
@@ -56,7 +56,6 @@ def large_frees_returned() -> Iterator[None]:
         libc.mallopt(M_MMAP_THRESHOLD, RUN_MMAP_THRESHOLD)
         libc.mallopt(M_TRIM_THRESHOLD, RUN_TRIM_THRESHOLD)
         libc.malloc_trim(0)
-
 
 
 @contextmanager
