@@ -8,7 +8,7 @@ later one comes from the heap too — and what the heap frees between the conver
 loading SmolLM2-135M in int4 (2 threads, Intel Xeon): resident memory 680 MiB at its peak with the threshold
 left to move, 569 MiB with it fixed at 1 MiB during the load; the float32 model peaks at 1204–1223 MiB.
 
-Elsewhere than glibc (macOS, musl) these do nothing.
+Elsewhere than glibc (macOS, musl) the allocator functions do nothing; the collector's freeze works everywhere.
 """
 
 from __future__ import annotations
