@@ -15,8 +15,6 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 
-from transformers import logging as hf_logging
-
 from specula.cli.common import (
     EXIT_BROKEN_PIPE,
     EXIT_INTERRUPTED,
@@ -27,6 +25,8 @@ from specula.cli.common import (
     report_os_error,
 )
 from specula.errors import SpeculaError
+
+VERBOSITY = "TRANSFORMERS_VERBOSITY"
 
 # Each subcommand's module is imported only when that subcommand runs (or for the full --help): `specula train` pulls
 # in the trainers, `bench` the benchmark, `check` the certifier, none of which `specula generate` needs before its
@@ -104,13 +104,22 @@ def build_parser(command: str | None = None) -> ArgumentParser:
 def quiet_libraries() -> Iterator[None]:
     """Silence `transformers` warnings: they are not actionable here and would break the one-line error contract
     (e.g. the tokenizer's "sequence length is longer than..." before specula's own context-limit error).
-    The previous level comes back afterwards, for callers of main() inside a larger program."""
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
+    The previous level comes back afterwards, for callers of main() inside a larger program.
+
+    Without importing `transformers` (a warm start never does): its logger is the standard ``transformers`` logger,
+    and ``TRANSFORMERS_VERBOSITY`` is the level it takes if a command imports it on the way."""
+    logger = logging.getLogger("transformers")
+    level, variable = logger.level, os.environ.get(VERBOSITY)
+    logger.setLevel(logging.ERROR)
+    os.environ[VERBOSITY] = "error"
     try:
         yield
     finally:
-        hf_logging.set_verbosity(verbosity)
+        logger.setLevel(level)
+        if variable is None:
+            os.environ.pop(VERBOSITY, None)
+        else:
+            os.environ[VERBOSITY] = variable
 
 
 def main(argv: list[str] | None = None) -> int:

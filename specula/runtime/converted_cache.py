@@ -38,7 +38,7 @@ PACKAGE = Path(__file__).resolve().parent.parent
 # What converts the weights and defines the modules saved (a change to other modules, e.g. the packed forward, keeps
 # the kept conversions).
 SOURCES = ("runtime/weights.py", "runtime/quantized_linear.py", "runtime/streamed_load.py", "runtime/loading.py",
-           "runtime/plain_model.py",
+           "runtime/plain_model.py", "runtime/tokenizer.py",
            "gguf/blocks.py", "gguf/block_embedding.py", "kernels/__init__.py", "kernels/q4_1.py", "kernels/q4_1.cpp")
 # Every file the saved entry was made from: weights, configs (the plain model holds the config and the generation
 # config's values) and the tokenizer's files (the entry holds the loaded tokenizer too).
@@ -49,8 +49,8 @@ SOURCE_FILES = ("*.safetensors", "*.bin", "config.json", "generation_config.json
 
 class Converted(NamedTuple):
     """What a warm load needs: the converted model (a plain model for the Llama family,
-    `specula.runtime.plain_model`), its weights report, and the tokenizer (loading it through `AutoTokenizer` costs
-    ~1 s of imports)."""
+    `specula.runtime.plain_model`), its weights report, and the tokenizer (a `specula.runtime.tokenizer.PlainTokenizer`
+    where it answers as the transformers one: loading that through `AutoTokenizer` costs ~1 s of imports)."""
 
     model: torch.nn.Module
     report: WeightsReport

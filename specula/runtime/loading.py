@@ -6,7 +6,9 @@ or a model id already in the local Hugging Face cache (`specula.runtime.model_so
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -18,6 +20,7 @@ from specula.runtime.forward import LLAMA_FAMILY
 from specula.runtime.model_source import model_name, resolve_model
 from specula.runtime.plain_model import from_transformers
 from specula.runtime.streamed_load import load_converted
+from specula.runtime.tokenizer import load_tokenizer
 from specula.runtime.weights import quantize_linear_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -91,31 +94,39 @@ def load_converted_lm(path: str | Path, dtype: str | torch.dtype = "auto", devic
     kept = converted_cache.entry_path(model_dir, model_name(path), weights, torch_dtype, gguf_file) if (
         converted_cache.enabled(weights, device)) else None
     cached = converted_cache.load(kept) if kept is not None else None
-    from transformers import logging as hf_logging
-
-    verbosity = hf_logging.get_verbosity()
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()  # a per-tensor bar for a local load is noise
     try:
         if cached is not None:
             model, report, tokenizer = cached
         else:
-            model, report = _load_and_convert(model_dir, path, role, torch_dtype, weights, device, gguf_file)
-            tokenizer = _load_tokenizer(model_dir)
+            with quiet_transformers():
+                model, report = _load_and_convert(model_dir, path, role, torch_dtype, weights, device, gguf_file)
+                tokenizer = load_tokenizer(model_dir)
     except SpeculaError:
         raise
     except Exception as err:  # torch pickles, tokenizer files and loaders fail in many ways on damaged files
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise SpeculaError(f"cannot load {role} from {path}: {reason}") from err
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        if bars:
-            hf_logging.enable_progress_bar()
     to_device(model, device).eval().requires_grad_(False)
     if kept is not None and cached is None:
         converted_cache.save(kept, converted_cache.Converted(model, report, tokenizer))
     return model, tokenizer, report
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """`transformers` at error level and without its per-tensor progress bars (noise for a local load), imported
+    only by loads that need it: a warm load from the converted cache does not."""
+    from transformers import logging as hf_logging
+
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def _load_and_convert(model_dir: Path, path: str | Path, role: str, torch_dtype: torch.dtype, weights: str,
@@ -158,12 +169,6 @@ def to_device(model: torch.nn.Module, device: str | torch.device) -> torch.nn.Mo
         return model.to(device)
     except (RuntimeError, AssertionError) as err:
         raise SpeculaError(f"device '{device}' is not usable: {str(err).splitlines()[0]}") from err
-
-
-def _load_tokenizer(model_dir: Path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
 
 
 def check_loading(loading: dict, role: str, path: str | Path) -> None:
