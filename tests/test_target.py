@@ -254,12 +254,15 @@ def test_a_compiled_target_keeps_one_cache_shape_however_long_the_sequence_grows
 
 
 def test_a_compiled_block_near_the_context_limit_runs_eager_instead_of_padding_past_it():
-    """3 tokens pad to 4: with 2 slots left the padding has nowhere to go, so that block takes the eager step."""
+    """13 tokens pad to 16: with 14 slots left the padding has nowhere to go, so that block takes the eager step."""
+    from specula.runtime.compiled_step import bucket
+
+    assert bucket(13) == 16
     model = tiny_model("llama", seed=2)
-    eager, compiled = Target(model, max_length=24), Target(model, max_length=24)
+    eager, compiled = Target(model, max_length=40), Target(model, max_length=40)
     compiled.compile()
-    prompt = torch.randint(0, 97, (21,), generator=torch.Generator().manual_seed(1))
-    block = torch.tensor([5, 8, 13])
+    prompt = torch.randint(0, 97, (26,), generator=torch.Generator().manual_seed(1))
+    block = torch.randint(0, 97, (13,), generator=torch.Generator().manual_seed(2))
     outs = []
     for target in (eager, compiled):
         target.prefill(prompt)

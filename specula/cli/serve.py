@@ -83,8 +83,8 @@ def run_serve(args: argparse.Namespace) -> int:
                                       device=args.device, profile=not args.no_profile, weights=args.weights,
                                       compile=args.compile, **method_options(args))
         if speculator.target.compiled:  # before serving: no request should wait for a compilation
-            print(f"{PROG}: compiling the target's steps (blocks of up to {WARM_UP_BLOCK} tokens; about half a "
-                  "minute the first time on a small CPU)", file=sys.stderr, flush=True)
+            print(f"{PROG}: compiling the target's steps (blocks of up to {WARM_UP_BLOCK} tokens; about a minute "
+                  "the first time on a small CPU)", file=sys.stderr, flush=True)
             warm_up(speculator.target, speculator.drafter, WARM_UP_BLOCK)
         settings = ServeSettings(model_name=args.model_name, api_key=args.api_key, max_queue=args.max_queue,
                                  max_tokens_limit=args.max_tokens_limit, max_batch=args.max_batch,
