@@ -735,3 +735,24 @@ def test_tree_sweep_prints_every_setting_against_the_first_and_refuses_bad_setti
     prompts.write_text('{"text": "no prompt field"}\n')
     code, out, err = sweep("vanilla")
     assert code == 2 and "expected an object with a non-empty string 'prompt'" in err
+
+
+def test_the_recorded_command_of_a_config_run_runs_the_same_methods_without_the_config(tmp_path, story_questions):
+    """A config's ``[methods.LABEL]`` with its own ``method`` key is spelled out as ``--option LABEL.method=...``:
+    results.md's command line alone reruns the run (it used to name a label no command line could resolve)."""
+    import shlex
+
+    config = tmp_path / "b.toml"
+    config.write_text('[methods.pld-short]\nmethod = "pld"\nnum_tokens = 2\n')
+    first = tmp_path / "first"
+    assert run_command("bench", "--config", config, "--target", STORIES, "--methods", "vanilla,pld-short", "--data",
+                       story_questions, "--limit", 1, "--max-new-tokens", 4, "--temperature", 0, "--threads", 1,
+                       "--dtype", "float32", "--out", first, "--no-progress", "--no-profile") == 0
+    recorded = json.loads((first / "results.json").read_text())
+    argv = shlex.split(recorded["command"])
+    assert argv[:2] == ["specula", "bench"] and "--config" not in argv
+    again = tmp_path / "again"
+    argv[argv.index("--out") + 1] = str(again)
+    assert run_command(*argv[1:], "--no-progress") == 0
+    rerun = json.loads((again / "results.json").read_text())
+    assert rerun["settings"]["methods"] == recorded["settings"]["methods"]
