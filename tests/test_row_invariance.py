@@ -22,7 +22,7 @@ from specula.runtime.static_cache import rowwise
 from specula.runtime.target import Target
 from specula.runtime.weights import quantize_linear_weights
 
-FORMATS = ["float32", "int8", "int4", "q4_1"]
+FORMATS = ["float32", "bfloat16", "int8", "int4", "q4_1"]
 needs_attention = pytest.mark.skipif(attention.unavailable_reason() is not None,
                                      reason=f"attention kernel unavailable: {attention.unavailable_reason()}")
 

@@ -261,8 +261,7 @@ def canonical_command(settings) -> str:
         parts += ["--llama-server", settings.llama_server]
     parts.append("--no-profile")  # profile defaults, if any were used, are spelled out below
     for spec in settings.methods:
-        if spec.label != spec.method:  # a config's [methods.LABEL] with its own method key
-            parts += ["--option", f"{spec.label}.method={spec.method}"]
+        parts += ["--option", f"{spec.label}.method={spec.method}"] * (spec.label != spec.method)  # [methods.X]
         if spec.draft is not None:
             parts += ["--option", f"{spec.label}.draft={spec.draft}"]
         for key, value in spec.options.items():
