@@ -290,9 +290,11 @@ class Q4_1Linear(_KernelLinear):
 # than ~576 the two round differently (measured on the reference AMD EPYC, one thread: SmolLM2's down projection,
 # 576 x 1536, gave rows of a 3- to 64-row call other bits than the same rows alone; q/k/v, gate/up and the LM head,
 # 576 wide, did not). Padding every call to at least this many rows puts every row, a one-token step's too, through
-# the many-row kernel: rows of a 1- to 1,024-row call then equal the rows alone, for every SmolLM2 shape. It costs a
-# one-token step of the down projection 176 -> 279 us (bfloat16 on a CPU is never the fast format: the LM head
-# alone takes 14 ms).
+# the many-row kernel: rows of a 1- to 1,024-row call then equal the rows alone, for every SmolLM2 shape. It costs
+# SmolLM2's eager one-token step 52-54 -> 63-65 ms and a 4-token one 58-60 -> 64 ms (two alternating pairs of
+# processes, 300 cached tokens, one thread): bfloat16 on a CPU is never the fast format (q4_1's step is ~16 ms),
+# and the 576-wide shapes, the LM head's included, would need no padding on this CPU, but other CPUs pick kernels
+# by other rules: every call is padded.
 BF16_MIN_ROWS = 4
 
 
