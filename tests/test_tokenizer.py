@@ -19,6 +19,7 @@ from transformers import AutoTokenizer
 from specula.chat.template import end_of_turn_ids, template_end_ids
 from specula.runtime.model_source import cache_dir
 from specula.runtime.tokenizer import PlainTokenizer, load_tokenizer, plain_tokenizer
+from specula.training.fingerprints import tokenizer_fingerprint
 
 MT_BENCH = REPO.parent / "shared" / "data" / "mt_bench" / "question.jsonl"
 AWKWARD = ["", " ", "\n\n\n", "\t x \t", "<|im_start|>user\nhi<|im_end|>", "</s> <s> <unk> <|endoftext|>",
@@ -53,6 +54,8 @@ def test_a_plain_tokenizer_encodes_and_decodes_as_transformers_does(model):
             for skip in (True, False):
                 assert plain.decode(ids, skip_special_tokens=skip) == full.decode(ids, skip_special_tokens=skip)
     assert plain.get_vocab() == full.get_vocab() and len(plain) == len(full)
+    # A generated-data directory is keyed by the tokenizer's fingerprint: a run resumes under either tokenizer.
+    assert tokenizer_fingerprint(plain) == tokenizer_fingerprint(full) and plain._full is None
     assert plain.all_special_ids == full.all_special_ids
     assert (plain.eos_token_id, plain.bos_token_id, plain.pad_token_id) == (
         full.eos_token_id, full.bos_token_id, full.pad_token_id)

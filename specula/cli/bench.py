@@ -261,7 +261,7 @@ def canonical_command(settings) -> str:
         parts += ["--llama-server", settings.llama_server]
     parts.append("--no-profile")  # profile defaults, if any were used, are spelled out below
     for spec in settings.methods:
-        parts += ["--option", f"{spec.label}.method={spec.method}"] * (spec.label != spec.method)  # [methods.X]
+        parts += ["--option", f"{spec.label}.method={spec.method}"] * (spec.label != spec.method)  # own method
         if spec.draft is not None:
             parts += ["--option", f"{spec.label}.draft={spec.draft}"]
         for key, value in spec.options.items():

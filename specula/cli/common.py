@@ -137,7 +137,7 @@ def add_weights_argument(p: argparse.ArgumentParser, default: str | None = "auto
 
 COMPILE_HELP = ("compile the target's decode and verify steps with torch.compile (Llama-family targets): one "
                 "decoder layer's graph per block size, built once (~15 s for the first size on a small CPU, a few "
-                "seconds for each next one: ~50 s for the 16 sizes a draft tree meets) and read back from the cache "
+                "seconds for each next one: ~50 s for the 13 sizes up to 16 tokens) and read back from the cache "
                 "after (~6 s at start): it pays off on long runs (chat, bench, serve), not on one short answer")
 
 

@@ -82,6 +82,11 @@ class PlainTokenizer:
             return self._full
 
     @property
+    def backend_tokenizer(self) -> tokenizers.Tokenizer:
+        """The `tokenizers.Tokenizer` (as a transformers fast tokenizer names it)."""
+        return self.backend
+
+    @property
     def eos_token_id(self) -> int | None:
         return self._token_id("eos_token")
 
