@@ -53,33 +53,6 @@ class TurnResult:
     extra: dict = field(default_factory=dict)
 
 
-# ---------------------------------------------------------------- prompts
-
-
-def conversation_ids(tokenizer, turns: list[str], answers: list[str], max_prompt_tokens: int) -> tuple[list[int], int]:
-    """Token ids of the conversation up to the newest user turn, and how many ids were cut from the left.
-
-    With a chat template: user/assistant messages and the generation prompt.
-    Without one (stories260k, pycoder-25m): the raw texts joined with newlines,
-    tokenized the way `specula generate` tokenizes a prompt.
-    """
-    if getattr(tokenizer, "chat_template", None):
-        messages = []
-        for i, turn in enumerate(turns):
-            messages.append({"role": "user", "content": turn})
-            if i < len(answers):
-                messages.append({"role": "assistant", "content": answers[i]})
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        ids = list(ids)
-    else:
-        parts = [p for pair in zip(turns, answers + [None], strict=True) for p in pair if p is not None]
-        ids = tokenizer("\n".join(parts), verbose=False).input_ids
-    cut = max(0, len(ids) - max_prompt_tokens)
-    return ids[cut:], cut
-
-
 # ---------------------------------------------------------------- memory
 
 
