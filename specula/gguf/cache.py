@@ -19,6 +19,7 @@ clear reason before any work starts.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import mmap
@@ -28,9 +29,11 @@ import struct
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from specula.errors import SpeculaError
+from specula.runtime.transformers_logging import quiet_transformers
 
 MANIFEST = "specula-gguf.json"
 MANIFEST_VERSION = 1
@@ -226,7 +229,6 @@ def convert_gguf(gguf_file: Path, out: Path, progress=None) -> None:
     """Dequantize ``gguf_file`` with `transformers` and save model and tokenizer into ``out`` (float32)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers import logging as hf_logging
 
     options = {}
     try:  # newer transformers can keep GGUF blocks packed; a saved directory needs them unpacked
@@ -236,17 +238,7 @@ def convert_gguf(gguf_file: Path, out: Path, progress=None) -> None:
     except ImportError:
         pass
     stage = progress.stage if progress is not None else (lambda text: None)
-    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    try:
-        from transformers import modeling_gguf_pytorch_utils as legacy_loader
-    except ImportError:
-        legacy_loader = None
-    legacy_bar = getattr(legacy_loader, "tqdm", None)
-    if legacy_bar is not None:  # its plain tqdm bar ignores disable_progress_bar; our progress line replaces it
-        legacy_loader.tqdm = lambda iterable, *args, **kwargs: iterable
-    try:
+    with quiet_transformers(), _legacy_gguf_bar_off():
         stage("dequantizing the weights")
         try:
             model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name,
@@ -265,10 +257,22 @@ def convert_gguf(gguf_file: Path, out: Path, progress=None) -> None:
         stage("writing safetensors")
         model.save_pretrained(out)  # an OSError here (disk full) is reported by the caller as a write failure
         tokenizer.save_pretrained(out)
+
+
+@contextlib.contextmanager
+def _legacy_gguf_bar_off() -> Iterator[None]:
+    """Older transformers' GGUF loader draws a plain tqdm bar that ignores `disable_progress_bar`; our progress
+    line replaces it."""
+    try:
+        from transformers import modeling_gguf_pytorch_utils as legacy_loader
+    except ImportError:
+        legacy_loader = None
+    legacy_bar = getattr(legacy_loader, "tqdm", None)
+    if legacy_bar is not None:
+        legacy_loader.tqdm = lambda iterable, *args, **kwargs: iterable
+    try:
+        yield
     finally:
-        hf_logging.set_verbosity(verbosity)
-        if bars:
-            hf_logging.enable_progress_bar()
         if legacy_bar is not None:
             legacy_loader.tqdm = legacy_bar
 

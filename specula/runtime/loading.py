@@ -6,9 +6,7 @@ or a model id already in the local Hugging Face cache (`specula.runtime.model_so
 
 from __future__ import annotations
 
-import contextlib
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -21,6 +19,7 @@ from specula.runtime.model_source import model_name, resolve_model
 from specula.runtime.plain_model import from_transformers
 from specula.runtime.streamed_load import load_converted
 from specula.runtime.tokenizer import load_tokenizer
+from specula.runtime.transformers_logging import quiet_transformers
 from specula.runtime.weights import quantize_linear_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -110,23 +109,6 @@ def load_converted_lm(path: str | Path, dtype: str | torch.dtype = "auto", devic
     if kept is not None and cached is None:
         converted_cache.save(kept, converted_cache.Converted(model, report, tokenizer))
     return model, tokenizer, report
-
-
-@contextlib.contextmanager
-def quiet_transformers() -> Iterator[None]:
-    """`transformers` at error level and without its per-tensor progress bars (noise for a local load), imported
-    only by loads that need it: a warm load from the converted cache does not."""
-    from transformers import logging as hf_logging
-
-    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        if bars:
-            hf_logging.enable_progress_bar()
 
 
 def _load_and_convert(model_dir: Path, path: str | Path, role: str, torch_dtype: torch.dtype, weights: str,
