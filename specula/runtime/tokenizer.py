@@ -106,7 +106,7 @@ class PlainTokenizer:
         """``text``'s ids as transformers' ``tokenizer(text, add_special_tokens=...)`` gives them."""
         if options or not isinstance(text, str):
             return self.full()(text, add_special_tokens=add_special_tokens, verbose=verbose, **options)
-        return Encoded(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+        return Encoded(self.encode(text, add_special_tokens))
 
     def encode(self, text: str, add_special_tokens: bool = True, **options) -> list[int]:
         if options or not isinstance(text, str):
@@ -221,9 +221,7 @@ def plain_tokenizer(full, source: Path):
     try:
         plain = PlainTokenizer(backend, full.chat_template, full.special_tokens_map, full.all_special_ids,
                                full.added_tokens_decoder, source)
-        plain._full = full
         if same_answers(plain, full):
-            plain._full = None  # not pickled anyway; dropped so a warm copy and this one behave alike
             return plain
     except Exception:  # a template Jinja cannot compile here, an unusual tokenizer: keep the transformers one
         pass
