@@ -13,7 +13,9 @@ def test_objects_alive_at_startup_are_hidden_from_collections_inside_and_given_b
         frozen = gc.get_freeze_count()
         assert frozen > 10_000  # torch and pytest alone make this many
         made_inside = [[i] for i in range(1000)]
-        assert gc.get_freeze_count() == frozen  # what the run makes stays collectable
+        # What the run makes stays collectable: the frozen set does not grow (it may shrink: a frozen object
+        # whose last reference goes, say another test thread's, is freed by its count).
+        assert gc.get_freeze_count() <= frozen
     assert gc.get_freeze_count() == 0
     del made_inside
 
