@@ -91,13 +91,128 @@ def plain_ops(device: torch.device) -> dict:
     return found
 
 
+def random_llama(directory: Path, tokenizer_from: Path) -> Path:
+    """A Llama of random weights with the shapes of a 1B model's layers (hidden 2,048, 16 query and 4 key-value
+    heads of 128, MLP 5,632; 4 layers, 4,096 positions), saved with ``tokenizer_from``'s tokenizer (its vocab of 512
+    is the model's): realistic kernel shapes, no download."""
+    import shutil
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=512, hidden_size=2048, intermediate_size=5632, num_hidden_layers=4,
+                         num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(directory)
+    for name in tokenizer_from.iterdir():
+        if "token" in name.name:
+            shutil.copy(name, directory / name.name)
+    return directory
+
+
+def third_run(args, cell, device: torch.device) -> None:
+    """With the single bucket the default off a CPU: row invariance at realistic shapes after a long prefix, the
+    step's cost there against the dense buckets, and the checks the second run left out."""
+    big = random_llama(Path("/tmp/random-llama"), args.models / "stories260k")
+
+    def invariance(path: Path, fmt: str, prompt_length: int) -> dict:
+        target = Target.load(path, dtype="float32", device=device, weights=fmt)
+        target.compile()
+        return {"mismatched": mismatched_blocks(target, CHAINS, TREE_PARENTS, prompt_length=prompt_length)}
+
+    def times(fmt: str, buckets: tuple[int, ...]) -> dict:
+        compiled_step.GPU_BLOCK_BUCKETS = buckets
+        target = Target.load(big, dtype="float32", device=device, weights=fmt)
+        target.compile()
+        target.prefill(torch.arange(3, 2003, device=device) % 500 + 3)
+        found = {}
+        for n in (1, 4, 8):
+            block = torch.arange(5, 5 + n, device=device)
+            for repeat in range(23):  # 3 to compile and warm, 20 timed
+                if repeat == 3:
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                target.forward(block).logits.argmax()
+                target.commit([])
+            torch.cuda.synchronize()
+            found[f"ms per {n}-token step"] = round((time.perf_counter() - t0) / 20 * 1000, 3)
+        compiled_step.GPU_BLOCK_BUCKETS = SINGLE
+        return found
+
+    for fmt in ("bfloat16", "float32", "int8", "int4"):
+        cell(f"random 1B-shaped Llama {fmt} compiled, 2,000-token prompt",
+             lambda f=fmt: invariance(big, f, 2000))
+    for fmt in ("bfloat16", "int8", "int4", "float32"):
+        cell(f"stories260k {fmt} compiled, 400-token prompt", lambda f=fmt: invariance(args.models / "stories260k",
+                                                                                     f, 400))
+    for name, buckets in (("dense buckets", DEFAULT_BUCKETS), ("single bucket", SINGLE)):
+        cell(f"random 1B-shaped Llama bfloat16 step time, {name}", lambda b=buckets: times("bfloat16", b))
+    for method, draft in (("sps", "llama2xs"), ("suffix", None), ("eagle", ROOT / "tests/data/eagle-stories260k"),
+                          ("ada", ROOT / "tests/data/eagle-stories260k")):
+        cell(f"check T=0 {method} bfloat16 compiled", lambda m=method, d=draft: check_cell(args, m, d, "bfloat16"))
+
+
+def fourth_run(args, cell, device: torch.device) -> None:
+    """With slots past the capacity for a block's padding (`compiled_step.allocate_whole`): row invariance up to the
+    context limit, and the single bucket's cost measured again, in alternating turns of 100 steps each."""
+    big = random_llama(Path("/tmp/random-llama"), args.models / "stories260k")
+
+    def invariance(path: Path, fmt: str, prompt_length: int) -> dict:
+        target = Target.load(path, dtype="float32", device=device, weights=fmt)
+        target.compile()
+        return {"mismatched": mismatched_blocks(target, CHAINS, TREE_PARENTS, prompt_length=prompt_length)}
+
+    targets = {}
+
+    def times(buckets: tuple[int, ...]) -> dict:
+        compiled_step.GPU_BLOCK_BUCKETS = buckets
+        if buckets not in targets:
+            targets[buckets] = Target.load(big, dtype="float32", device=device, weights="bfloat16")
+            targets[buckets].compile()
+        target = targets[buckets]
+        target.reset()
+        target.prefill(torch.arange(3, 2003, device=device) % 500 + 3)
+        found = {}
+        for n in (1, 4, 8):
+            block = torch.arange(5, 5 + n, device=device)
+            for repeat in range(105):  # 5 to compile and warm, 100 timed
+                if repeat == 5:
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                target.forward(block).logits.argmax()
+                target.commit([])
+            torch.cuda.synchronize()
+            found[f"ms per {n}-token step"] = round((time.perf_counter() - t0) / 100 * 1000, 3)
+        compiled_step.GPU_BLOCK_BUCKETS = SINGLE
+        return found
+
+    for fmt in ("bfloat16", "int8", "int4", "float32"):
+        cell(f"stories260k {fmt} compiled, 400-token prompt", lambda f=fmt: invariance(args.models / "stories260k",
+                                                                                     f, 400))
+    cell("random 1B-shaped Llama bfloat16 compiled, 4,000-token prompt", lambda: invariance(big, "bfloat16", 4000))
+    for turn in (1, 2):
+        for name, buckets in (("dense buckets", DEFAULT_BUCKETS), ("single bucket of 64", SINGLE),
+                              ("single bucket of 32", (32,))):
+            cell(f"random 1B-shaped Llama bfloat16 step time, {name}, turn {turn}", lambda b=buckets: times(b))
+
+
+def check_cell(args, method: str, draft, fmt: str) -> dict:
+    draft = args.models / draft if isinstance(draft, str) else draft
+    report = check(args.models / "stories260k", method, draft, n=4, max_new_tokens=48, temperature=0.0,
+                   dtype="float32", device="cuda", weights=fmt, profile=False, compile=True).as_dict()
+    g = report["greedy"]
+    return {"verdict": report["verdict"], "identical": f"{g['identical']}/{g['prompts']}",
+            "near_ties": g["near_ties"], "real": g["real"], "row_invariant": g["row_invariant"]}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--budget", type=float, default=330.0)
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--second", action="store_true", help="the second run's cells (after the first's findings)")
+    parser.add_argument("--run", type=int, choices=(1, 2, 3, 4), default=4,
+                        help="which run's cells: 1, 2 (probes, buckets patched), 3 (the single bucket as default), "
+                             "4 (and slots past the capacity for a block's padding)")
     args = parser.parse_args()
     device = torch.device(args.device)
     started = time.perf_counter()
@@ -126,7 +241,7 @@ def main() -> int:
             print(record["traceback"], flush=True)
 
     def compiled_target(model: str, fmt: str, buckets: tuple[int, ...], attention=SLICED) -> Target:
-        compiled_step.BLOCK_BUCKETS = buckets
+        compiled_step.GPU_BLOCK_BUCKETS = buckets  # runs 1 and 2 patched BLOCK_BUCKETS (then used on every device)
         static_cache.slot_attention = attention
         target = Target.load(args.models / model, dtype="float32", device=device, weights=fmt)
         target.compile()
@@ -152,16 +267,15 @@ def main() -> int:
         return {"ms_per_one_token_step": round((time.perf_counter() - t0) * 10, 3)}
 
     def run_check(method: str, draft, fmt: str, attention=WHOLE) -> dict:
-        compiled_step.BLOCK_BUCKETS = SINGLE
+        compiled_step.GPU_BLOCK_BUCKETS = SINGLE
         static_cache.slot_attention = attention
-        draft = args.models / draft if isinstance(draft, str) else draft
-        report = check(args.models / "stories260k", method, draft, n=4, max_new_tokens=48, temperature=0.0,
-                       dtype="float32", device=str(device), weights=fmt, profile=False, compile=True).as_dict()
-        g = report["greedy"]
-        return {"verdict": report["verdict"], "identical": f"{g['identical']}/{g['prompts']}",
-                "near_ties": g["near_ties"], "real": g["real"], "row_invariant": g["row_invariant"]}
+        return check_cell(args, method, draft, fmt)
 
-    if args.second:
+    if args.run == 4:
+        fourth_run(args, cell, device)
+    elif args.run == 3:
+        third_run(args, cell, device)
+    elif args.run == 2:
         for fmt in ("int8", "int4"):
             cell(f"stories260k {fmt} single bucket, sliced attention",
                  lambda f=fmt: invariance("stories260k", f, SINGLE, CHAINS))

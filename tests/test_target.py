@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import random_tree, tiny_model
+from conftest import STORIES, random_tree, tiny_model
 
 from specula.errors import SpeculaError
 from specula.runtime.target import FeatureRequest, Target
@@ -239,7 +239,8 @@ def test_a_compiled_target_keeps_one_cache_shape_however_long_the_sequence_grows
 
     target = Target(tiny_model("llama", seed=3, max_position_embeddings=8 * SLOT_STEP))
     target.compile()
-    assert target.runtime.cache.allocated == target.max_length == 8 * SLOT_STEP
+    cache = target.runtime.cache
+    assert cache.allocated == target.max_length + cache.padding == 8 * SLOT_STEP + 63  # 63: a block's padding
     counters.clear()
     target.warm_up(2)
     warmed = counters["stats"]["unique_graphs"]
@@ -253,21 +254,33 @@ def test_a_compiled_target_keeps_one_cache_shape_however_long_the_sequence_grows
     assert counters["stats"]["unique_graphs"] == warmed
 
 
-def test_a_compiled_block_near_the_context_limit_runs_eager_instead_of_padding_past_it():
-    """13 tokens pad to 16: with 14 slots left the padding has nowhere to go, so that block takes the eager step."""
+def test_a_compiled_block_at_the_context_limit_stays_compiled_with_the_bits_of_one_token_steps():
+    """13 tokens pad to 16 and a one-token step's token to 1: up to the last slot of the context every block runs
+    compiled (its padding in slots past the capacity), so each row gets a compiled one-token step's bits (a block
+    whose padding found no slot ran eager, and rounded otherwise)."""
     from specula.runtime.compiled_step import bucket
+    from specula.runtime.invariance import mismatched_rows
 
-    assert bucket(13) == 16
-    model = tiny_model("llama", seed=2)
-    eager, compiled = Target(model, max_length=40), Target(model, max_length=40)
-    compiled.compile()
-    prompt = torch.randint(0, 97, (26,), generator=torch.Generator().manual_seed(1))
-    block = torch.randint(0, 97, (13,), generator=torch.Generator().manual_seed(2))
-    outs = []
-    for target in (eager, compiled):
-        target.prefill(prompt)
-        outs.append(target.forward(block).logits)
-    assert torch.equal(outs[0], outs[1])  # the same eager step computed both
+    assert bucket(13, torch.device("cpu")) == 16
+    target = Target.load(STORIES, dtype="float32", max_length=40)
+    target.compile()
+    target.prefill(torch.randint(3, 500, (27,), generator=torch.Generator().manual_seed(1)))
+    block = torch.randint(3, 500, (13,), generator=torch.Generator().manual_seed(2))
+    assert mismatched_rows(target, block) == []  # 27 + 13 = 40: the block ends at the last slot
+    target.forward(block)
+    target.commit()
+    assert target.length == target.max_length == 40
+
+
+def test_off_a_cpu_a_compiled_step_runs_every_block_at_one_shape():
+    """On a GPU the kernels are chosen per shape, so a one-token step and a k-token verify pass share bits only at
+    one shape (measured on an H200: `GPU_BLOCK_BUCKETS`); a CPU's row-invariant kernels take dense buckets."""
+    from specula.runtime.compiled_step import bucket, warm_up_blocks
+
+    assert {bucket(n, torch.device("cuda")) for n in range(1, 65)} == {64}
+    assert warm_up_blocks(torch.device("cuda"), 16) == [16]  # a bench's warm-up compiles that one shape
+    assert bucket(65, torch.device("cuda")) is None
+    assert [bucket(n, torch.device("cpu")) for n in (1, 5, 13)] == [1, 5, 16]
 
 
 def test_compiling_a_target_outside_the_llama_family_is_one_clear_error():

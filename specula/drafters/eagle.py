@@ -31,7 +31,7 @@ import torch
 
 from specula.errors import SpeculaError
 from specula.heads.base import DraftHead
-from specula.runtime.compiled_step import BLOCK_BUCKETS, HeadStep
+from specula.runtime.compiled_step import HeadStep, warm_up_blocks
 from specula.runtime.target import ForwardOutput, Target
 from specula.runtime.weights import quantize_every_linear
 from specula.sampling import SamplingParams, probabilities
@@ -202,7 +202,7 @@ class EagleDrafter:
         self.head_step(feature, embed, torch.zeros(1, dtype=torch.long, device=target.device), self.cache, None)
         self.cache.commit()  # a prefix: a compiled step never runs into an empty cache
         tops = (0, max(self._one_level_ranks()) + 1)  # a plain catch-up, and the greedy one-level draft's
-        for size in (b for b in BLOCK_BUCKETS if b <= max_block):
+        for size in warm_up_blocks(target.device, max_block):
             positions = torch.arange(1, 1 + size, device=target.device)
             for top in tops:
                 self.head_step(feature.expand(size, -1), embed.expand(size, -1), positions, self.cache, None, top=top)

@@ -24,12 +24,13 @@ before its first answer. One layer's graph compiles in seconds, and Inductor's c
 directory, `inductor_cache`) gives it back in well under a second per size.
 
 Static shapes keep it to a few compilations (the gpt-fast recipe):
-- a block of n tokens is padded to the next size in `BLOCK_BUCKETS` (padding rows attend only to
-  themselves and write cache slots past the block, which `commit` never keeps);
+- a block of n tokens is padded to the next size in `BLOCK_BUCKETS` (on a GPU to `GPU_BLOCK_BUCKETS`' one size;
+  padding rows attend only to themselves and write cache slots past the block, which `commit` never keeps);
 - the graph sees the layer's whole cache (with a mask), so the committed length is data, not a shape;
   attention goes through an op the compiler does not trace (`static_cache.slot_attention`, or the
   cached-attention kernel), which attends over the committed slots only;
-- the cache is allocated whole (its capacity, `Target.max_length`) when the step is compiled, so its size is
+- the cache is allocated whole (its capacity, `Target.max_length`, and 63 slots past it for the padding of a
+  block near the context limit: `allocate_whole`) when the step is compiled, so its size is
   one shape for good. A cache that grew in steps met a new shape at every growth: each bucket compiled again
   in the middle of a request (~3 s a size from Inductor's cache on the reference CPU; the long prompts of
   Spec-Bench's summarization ran at 0.96x vanilla for it). The size costs nothing per step (SmolLM2 q4_1,
@@ -44,7 +45,7 @@ Prefills (a block into an empty cache), longer blocks and sliding-window models 
 The compiled graph rounds differently from the eager one (Inductor fuses the norms and keeps intermediates in
 registers), so a compiled target is, like a quantized one, its own "target": vanilla and every method run the
 same compiled steps, and losslessness is checked against that. Each row of a compiled block gets the bits a
-compiled one-token step gives it (`tests/test_row_invariance.py`).
+compiled one-token step gives it (`tests/test_row_invariance.py`; on a GPU, `GPU_BLOCK_BUCKETS`).
 """
 
 from __future__ import annotations
@@ -76,15 +77,37 @@ from specula.runtime.static_cache import (
 # tokens/s with those and 92.1-96.7 with these. Each size is one more graph to compile (~5 s cold, ~0.2 s from
 # Inductor's cache on 2 cores).
 BLOCK_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 16, 24, 32, 48, 64)
+# Off a CPU every block runs at one shape. There the kernels are cuBLAS's, SDPA's and Triton's, chosen (and their
+# reductions ordered) per shape, so a k-row block rounds differently from a one-token step; at one shape each row
+# gets the bits it gets alone. On an NVIDIA H200 (`scripts/gpu_single_bucket.py`, docs/checks/gpu-h200-stories260k)
+# a compiled step padded to 64 rows gave chains of 1..64 tokens and a 9-node tree the bits of one-token steps in
+# bfloat16, int8 and int4 (with the dense buckets every row of every block of k >= 2 differed); float32 chains
+# too, but not the tree, whose ancestors' keys sit at other slots than in the steps; the same on a random Llama of
+# a 1B model's layer shapes after 2,000 and 4,000 tokens. A GPU step there is launch-bound, not row-bound: that
+# model's bfloat16 one-token step took 3.7-4.2 ms with the dense buckets and 3.3-3.4 ms at 64 rows (two
+# alternating turns of 100 steps), and there is one graph to compile instead of 17.
+GPU_BLOCK_BUCKETS = (64,)
 # Blocks a long-running command (bench, serve) compiles before its first request (`Target.warm_up`): the
 # default trees and chains on a CPU verify at most 16 tokens (eagle/eagle2/eagle3 11, pld 11, the bundled
 # Medusa tree 16); a larger block still compiles when it is first met.
 WARM_UP_BLOCK = 16
 
 
-def bucket(n: int) -> int | None:
-    """The padded size of a block of n tokens, or None when it is longer than every bucket."""
-    return next((size for size in BLOCK_BUCKETS if size >= n), None)
+def block_buckets(device: torch.device) -> tuple[int, ...]:
+    """The block sizes a compiled step on ``device`` runs: `BLOCK_BUCKETS` on a CPU, `GPU_BLOCK_BUCKETS` elsewhere."""
+    return BLOCK_BUCKETS if device.type == "cpu" else GPU_BLOCK_BUCKETS
+
+
+def bucket(n: int, device: torch.device) -> int | None:
+    """The padded size of a block of n tokens on ``device``, or None when it is longer than every bucket."""
+    return next((size for size in block_buckets(device) if size >= n), None)
+
+
+def warm_up_blocks(device: torch.device, max_block: int) -> list[int]:
+    """Block lengths (of at most ``max_block`` tokens) that between them meet every padded size a block of up to
+    ``max_block`` tokens runs at on ``device``: one per bucket (on a GPU one block, padded to its one size)."""
+    last = bucket(max_block, device) or max(block_buckets(device))
+    return [min(size, max_block) for size in block_buckets(device) if size <= last]
 
 
 def inductor_cache() -> Path:
@@ -121,10 +144,19 @@ def compiled(function, device: torch.device, guard_modules: bool = False):
 
 def fits(cache: StaticKVCache, n: int) -> bool:
     """Whether a block of n tokens after ``cache``'s prefix can run compiled: not a prefill, not longer than
-    every bucket, and its padding inside the cache's capacity (near the context limit it runs eager: its padding
-    would write slots that do not exist)."""
-    padded = bucket(n)
-    return cache.length > 0 and padded is not None and cache.length + padded <= cache.capacity
+    every bucket, and its padding inside the slots the cache has for it (`allocate_whole`)."""
+    padded = bucket(n, cache.keys[0].device)
+    return (cache.length > 0 and padded is not None and cache.length + n <= cache.capacity
+            and cache.length + padded <= cache.capacity + cache.padding)
+
+
+def allocate_whole(cache: StaticKVCache) -> None:
+    """Allocate ``cache`` whole, once: its capacity and, past it, the slots a block's padding rows may write. A
+    block near the context limit then runs compiled like every other (it ran eager, and a one-token step there
+    with other bits than vanilla's compiled one: on an H200 the last 15 rows of a 64-token chain 400 tokens
+    into stories260k's 512 differed)."""
+    cache.padding = max(block_buckets(cache.keys[0].device)) - 1
+    cache.reserve(cache.capacity + cache.padding)
 
 
 def padded_block(cache: StaticKVCache, positions: torch.Tensor,
@@ -138,7 +170,7 @@ def padded_block(cache: StaticKVCache, positions: torch.Tensor,
     `commit` never keeps it).
     """
     n, prefix = positions.shape[0], cache.length
-    padded = bucket(n)
+    padded = bucket(n, positions.device)
     cache.reserve(prefix + padded)
     device = positions.device
     slots = SlotBlock(torch.arange(prefix, prefix + padded, device=device), torch.tensor(prefix + padded))
@@ -162,13 +194,13 @@ def slot_layer_step(layer: torch.nn.Module, fused: FusedProjections, x: torch.Te
 
 
 class CompiledStep:
-    """Runs a `LlamaFamilyRuntime`'s forward for blocks of up to `BLOCK_BUCKETS[-1]` tokens, each decoder layer
+    """Runs a `LlamaFamilyRuntime`'s forward for blocks of up to 64 tokens (`block_buckets`), each decoder layer
     through one compiled graph (`slot_layer_step`); the embedding, final norm and LM head stay eager."""
 
     def __init__(self, runtime):
         self.runtime = runtime
         self.layer_step = compiled(slot_layer_step, runtime.cache.keys[0].device, guard_modules=True)
-        runtime.cache.reserve(runtime.cache.capacity)  # the allocation is a shape: one for good
+        allocate_whole(runtime.cache)  # the allocation is a shape: one for good
 
     def accepts(self, n: int) -> bool:
         """Whether a block of n tokens takes this path (else the eager step runs it): not a prefill."""
@@ -200,7 +232,7 @@ def head_step(head, features: torch.Tensor, token_embeds: torch.Tensor, position
 
 class HeadStep:
     """An EAGLE head's steps for a drafter (`head_step`): eager, or with ``compile`` compiled like the target's
-    steps, padded to `BLOCK_BUCKETS` (a block into an empty head cache, the prompt, and longer blocks run eager).
+    steps, padded to `block_buckets` (a block into an empty head cache, the prompt, and longer blocks run eager).
 
     On a CPU an eager head step is mostly per-operation overhead. SmolLM2's EAGLE-3 head in q4_1, the greedy
     one-node draft (step over 1 or 2 pairs, then the top token) after 300 cached pairs, interleaved: eager
@@ -220,7 +252,7 @@ class HeadStep:
         if self.graph is None or not fits(cache, n):
             return head_step(self.head, features, token_embeds, positions, cache, mask, own_features, None, last,
                              top)
-        cache.reserve(cache.capacity)  # the allocation is a shape: one for good (as the target's)
+        allocate_whole(cache)  # the allocation is a shape: one for good (as the target's)
         visible = block_attention_mask(cache.length, positions, None) if mask is None else mask
         slots, positions, full_mask = padded_block(cache, positions, visible)
         pad = (0, 0, 0, positions.shape[0] - n)

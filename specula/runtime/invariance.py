@@ -59,16 +59,17 @@ def mismatched_rows(target, tokens: torch.Tensor, block_mask: torch.Tensor | Non
     return mismatched
 
 
-def mismatched_blocks(target, chains: list[int], tree_parents: list[int], seed: int = 0) -> dict[str, list[int]]:
+def mismatched_blocks(target, chains: list[int], tree_parents: list[int], seed: int = 0,
+                      prompt_length: int = 37) -> dict[str, list[int]]:
     """{block: rows whose logits differ from one-token steps} for random chains of each length in ``chains`` and a
-    random tree of ``tree_parents`` (each node's parent, -1: the root) after a random 37-token prompt, on the
-    target's device ({} = row-invariant there)."""
+    random tree of ``tree_parents`` (each node's parent, -1: the root) after a random prompt of ``prompt_length``
+    tokens, on the target's device ({} = row-invariant there)."""
     generator = torch.Generator().manual_seed(seed)
 
     def tokens(n: int) -> torch.Tensor:
         return torch.randint(3, target.vocab_size, (n,), generator=generator).to(target.device)
 
-    target.prefill(tokens(37))
+    target.prefill(tokens(prompt_length))
     found = {f"chain of {k}": mismatched_rows(target, tokens(k)) for k in chains}
     mask, depths = tree_block(tree_parents)
     found[f"tree of {len(tree_parents)}"] = mismatched_rows(target, tokens(len(tree_parents)),

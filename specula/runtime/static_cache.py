@@ -32,14 +32,18 @@ SLOT_STEP = 256  # allocations are whole multiples of this many slots (up to the
 
 
 class StaticKVCache:
-    """Keys and values of every layer: ``n_layers`` × [1, n_kv_heads, allocated, head_dim], allocated <= capacity."""
+    """Keys and values of every layer: ``n_layers`` × [1, n_kv_heads, allocated, head_dim], allocated <= capacity
+    + padding."""
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype,
                  device: torch.device | str):
         shape = (1, n_kv_heads, 0, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.capacity = capacity  # the most slots it may ever hold
+        self.capacity = capacity  # the most entries it may ever hold
+        # Slots past the capacity that a compiled step's padding rows may write (never committed; `compiled_step`):
+        # without them a block near the context limit ran eager, with other bits than the compiled steps.
+        self.padding = 0
         self.length = 0  # committed entries
         self.block = 0  # provisional entries written by the last forward
         self.reserve(SLOT_STEP)
@@ -55,16 +59,17 @@ class StaticKVCache:
         return self.keys[0].shape[2] if self.keys else self.capacity
 
     def reserve(self, slots: int) -> None:
-        """Make room for ``slots`` entries (clipped to the capacity): grow to a multiple of `SLOT_STEP`, at least
-        double the current allocation; keeps every entry written so far. Never shrinks.
+        """Make room for ``slots`` entries (clipped to the capacity and its ``padding``): grow to a multiple of
+        `SLOT_STEP`, at least double the current allocation; keeps every entry written so far. Never shrinks.
 
         The new slots are left unwritten (``new_empty``): every reader stops at the block's end, before which
         each slot was written, and the operating system backs a large allocation's pages only once written
         (8,192 slots of SmolLM2: 362 MiB zeroed, 16 MiB resident after 300 tokens unwritten)."""
-        slots = min(slots, self.capacity)
+        limit = self.capacity + self.padding
+        slots = min(slots, limit)
         if slots <= self.allocated:
             return
-        size = min(self.capacity, -(-max(slots, 2 * self.allocated) // SLOT_STEP) * SLOT_STEP)
+        size = min(limit, -(-max(slots, 2 * self.allocated) // SLOT_STEP) * SLOT_STEP)
         for buffers in (self.keys, self.values):
             for i, old in enumerate(buffers):
                 new = old.new_empty((*old.shape[:2], size, old.shape[3]))

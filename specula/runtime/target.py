@@ -16,7 +16,7 @@ import torch
 from specula.chat.template import end_of_turn_ids
 from specula.errors import SpeculaError
 from specula.kernels import has_cpp_compiler
-from specula.runtime.compiled_step import BLOCK_BUCKETS, CompiledStep
+from specula.runtime.compiled_step import CompiledStep, warm_up_blocks
 from specula.runtime.forward import (
     LLAMA_FAMILY,
     FeatureRequest,
@@ -101,7 +101,7 @@ class Target:
         tokens = torch.zeros(max_block + 1, dtype=torch.long, device=self.device)
         self.reset()
         self.prefill(tokens[:1], features)
-        for size in (b for b in BLOCK_BUCKETS if b <= min(max_block, self.max_length - 1)):
+        for size in warm_up_blocks(self.device, min(max_block, self.max_length - 1)):
             self.forward(tokens[1:size + 1], features=features)
             self.commit([])
         self.reset()
