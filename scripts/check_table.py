@@ -4,7 +4,7 @@ Each method's report goes to ``OUT/<format>-<method>.txt`` (the text `specula ch
 JSON form); a method whose JSON exists is not run again, so a stopped run resumes. Default check settings, the
 bundled heads, no hardware profile, the threads `specula check` takes here. sps has no smaller model with
 SmolLM2's tokenizer here, so its draft is SmolLM2 itself in a cheaper format (int4 for a q4_1 target, q4_1 for a
-float32 one). At the end the markdown rows of the table are printed.
+float32 or bfloat16 one). At the end the markdown rows of the table are printed.
 
     .venv/bin/python scripts/check_table.py --weights q4_1 --out docs/checks/smollm2-identical
 """
@@ -24,7 +24,7 @@ from specula.files.outputs import atomic_write_bytes
 from specula.methods import DEFAULT_TARGET
 
 METHODS = ["vanilla", "pld", "suffix", "sps", "eagle", "eagle2", "eagle3", "medusa", "ada", "ada-tree"]
-SPS_DRAFT_WEIGHTS = {"q4_1": "int4", "float32": "q4_1"}
+SPS_DRAFT_WEIGHTS = {"q4_1": "int4", "float32": "q4_1", "bfloat16": "q4_1"}
 
 
 def options(label: str, weights: str) -> tuple[str, dict]:
@@ -53,6 +53,7 @@ def main() -> int:
     parser.add_argument("--weights", required=True, choices=sorted(SPS_DRAFT_WEIGHTS))
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
+    parser.add_argument("--greedy-only", action="store_true", help="T=0 alone (the sampled test left out)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if default_threads():  # as `specula check` runs on this machine
@@ -63,6 +64,8 @@ def main() -> int:
         if not path.with_suffix(".json").exists():
             method, extra = options(label, args.weights)
             started = time.perf_counter()
+            if args.greedy_only:
+                extra["temperature"] = 0.0
             report = check(None, method, weights=args.weights, profile=False, **extra)
             text = report.table() + f"\n(check ran in {time.perf_counter() - started:.1f} s)\n"
             atomic_write_bytes(path.with_suffix(".txt"), text.encode())
