@@ -77,6 +77,37 @@ def packed_equal(target: Target) -> list[int]:
     return differ
 
 
+def cell_runner(results: dict, out: Path, started: float, budget: float, only: list[str] | None = None):
+    """``cell(kind, name, run)``: runs ``run()`` (a dict of findings) unless ``budget`` seconds have passed since
+    ``started`` (then it is recorded as not run) or ``only`` leaves it out; an exception is recorded as a finding.
+    Each record goes into ``results["cells"]``, the whole of ``results`` to ``out`` (JSON) and a line to stdout."""
+
+    def cell(kind: str, name: str, run) -> None:
+        label = f"{kind} {name}".strip()
+        record = {"kind": kind, "name": name} if kind else {"name": name}
+        if only and not any(text in label for text in only):
+            return
+        if time.perf_counter() - started > budget:
+            record["status"] = "not run (time budget)"
+        else:
+            t0 = time.perf_counter()
+            try:
+                record.update(run())
+                record.setdefault("status", "ran")
+            except Exception as err:  # a cell that breaks is a finding: record it and go on
+                record.update(status="error", error=f"{type(err).__name__}: {err}",
+                              traceback=traceback.format_exc())
+            record["seconds"] = round(time.perf_counter() - t0, 2)
+        results["cells"].append(record)
+        out.write_text(json.dumps(results, indent=1))
+        shown = {k: v for k, v in record.items() if k not in ("kind", "name", "traceback", "report")}
+        print(f"[{time.perf_counter() - started:6.1f}s] {label}: {json.dumps(shown)}", flush=True)
+        if "traceback" in record:
+            print(record["traceback"], flush=True)
+
+    return cell
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", type=Path, required=True, help="folder holding stories260k and llama2xs")
@@ -96,27 +127,7 @@ def main() -> int:
                                "python": platform.python_version()},
                "cells": []}
 
-    def cell(kind: str, name: str, run) -> None:
-        record = {"kind": kind, "name": name}
-        if args.only and not any(text in f"{kind} {name}" for text in args.only):
-            return
-        if time.perf_counter() - started > args.budget:
-            record["status"] = "not run (time budget)"
-        else:
-            t0 = time.perf_counter()
-            try:
-                record.update(run())
-                record.setdefault("status", "ran")
-            except Exception as err:  # a cell that breaks is a finding: record it and go on
-                record.update(status="error", error=f"{type(err).__name__}: {err}",
-                              traceback=traceback.format_exc())
-            record["seconds"] = round(time.perf_counter() - t0, 2)
-        results["cells"].append(record)
-        args.out.write_text(json.dumps(results, indent=1))
-        shown = {k: v for k, v in record.items() if k not in ("kind", "name", "traceback", "report")}
-        print(f"[{time.perf_counter() - started:6.1f}s] {kind} {name}: {json.dumps(shown)}", flush=True)
-        if "traceback" in record:
-            print(record["traceback"], flush=True)
+    cell = cell_runner(results, args.out, started, args.budget, args.only)
 
     for fmt in FORMATS:
         cell("invariance", f"{fmt} eager", lambda fmt=fmt: {

@@ -21,13 +21,12 @@ shape, every row should get the same bits whatever the block. The compiled step 
 from __future__ import annotations
 
 import argparse
-import json
 import time
-import traceback
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from gpu_check import cell_runner
 
 import specula.runtime.compiled_step as compiled_step
 import specula.runtime.static_cache as static_cache
@@ -109,32 +108,45 @@ def random_llama(directory: Path, tokenizer_from: Path) -> Path:
     return directory
 
 
+def loaded_invariance(device: torch.device, path: Path, fmt: str, prompt_length: int) -> dict:
+    """`mismatched_blocks` of ``path`` loaded in ``fmt`` and compiled, after a prompt of ``prompt_length`` tokens."""
+    target = Target.load(path, dtype="float32", device=device, weights=fmt)
+    target.compile()
+    return {"mismatched": mismatched_blocks(target, CHAINS, TREE_PARENTS, prompt_length=prompt_length)}
+
+
+def step_times(target: Target, warm: int, timed: int) -> dict:
+    """ms per 1-, 4- and 8-token step of ``target`` after a 2,000-token prompt: ``warm`` steps, then ``timed``."""
+    device = target.device
+    target.reset()
+    target.prefill(torch.arange(3, 2003, device=device) % 500 + 3)
+    found = {}
+    for n in (1, 4, 8):
+        block = torch.arange(5, 5 + n, device=device)
+        for repeat in range(warm + timed):
+            if repeat == warm:
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+            target.forward(block).logits.argmax()
+            target.commit([])
+        torch.cuda.synchronize()
+        found[f"ms per {n}-token step"] = round((time.perf_counter() - t0) / timed * 1000, 3)
+    return found
+
+
 def third_run(args, cell, device: torch.device) -> None:
     """With the single bucket the default off a CPU: row invariance at realistic shapes after a long prefix, the
     step's cost there against the dense buckets, and the checks the second run left out."""
     big = random_llama(Path("/tmp/random-llama"), args.models / "stories260k")
 
     def invariance(path: Path, fmt: str, prompt_length: int) -> dict:
-        target = Target.load(path, dtype="float32", device=device, weights=fmt)
-        target.compile()
-        return {"mismatched": mismatched_blocks(target, CHAINS, TREE_PARENTS, prompt_length=prompt_length)}
+        return loaded_invariance(device, path, fmt, prompt_length)
 
     def times(fmt: str, buckets: tuple[int, ...]) -> dict:
         compiled_step.GPU_BLOCK_BUCKETS = buckets
         target = Target.load(big, dtype="float32", device=device, weights=fmt)
         target.compile()
-        target.prefill(torch.arange(3, 2003, device=device) % 500 + 3)
-        found = {}
-        for n in (1, 4, 8):
-            block = torch.arange(5, 5 + n, device=device)
-            for repeat in range(23):  # 3 to compile and warm, 20 timed
-                if repeat == 3:
-                    torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                target.forward(block).logits.argmax()
-                target.commit([])
-            torch.cuda.synchronize()
-            found[f"ms per {n}-token step"] = round((time.perf_counter() - t0) / 20 * 1000, 3)
+        found = step_times(target, 3, 20)
         compiled_step.GPU_BLOCK_BUCKETS = SINGLE
         return found
 
@@ -157,9 +169,7 @@ def fourth_run(args, cell, device: torch.device) -> None:
     big = random_llama(Path("/tmp/random-llama"), args.models / "stories260k")
 
     def invariance(path: Path, fmt: str, prompt_length: int) -> dict:
-        target = Target.load(path, dtype="float32", device=device, weights=fmt)
-        target.compile()
-        return {"mismatched": mismatched_blocks(target, CHAINS, TREE_PARENTS, prompt_length=prompt_length)}
+        return loaded_invariance(device, path, fmt, prompt_length)
 
     targets = {}
 
@@ -168,20 +178,7 @@ def fourth_run(args, cell, device: torch.device) -> None:
         if buckets not in targets:
             targets[buckets] = Target.load(big, dtype="float32", device=device, weights="bfloat16")
             targets[buckets].compile()
-        target = targets[buckets]
-        target.reset()
-        target.prefill(torch.arange(3, 2003, device=device) % 500 + 3)
-        found = {}
-        for n in (1, 4, 8):
-            block = torch.arange(5, 5 + n, device=device)
-            for repeat in range(105):  # 5 to compile and warm, 100 timed
-                if repeat == 5:
-                    torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                target.forward(block).logits.argmax()
-                target.commit([])
-            torch.cuda.synchronize()
-            found[f"ms per {n}-token step"] = round((time.perf_counter() - t0) / 100 * 1000, 3)
+        found = step_times(targets[buckets], 5, 100)
         compiled_step.GPU_BLOCK_BUCKETS = SINGLE
         return found
 
@@ -220,25 +217,10 @@ def main() -> int:
                                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"},
                "cells": []}
 
+    run_cell = cell_runner(results, args.out, started, args.budget)
+
     def cell(name: str, run) -> None:
-        record = {"name": name}
-        if time.perf_counter() - started > args.budget:
-            record["status"] = "not run (time budget)"
-        else:
-            t0 = time.perf_counter()
-            try:
-                record.update(run())
-                record["status"] = "ran"
-            except Exception as err:  # a cell that breaks is a finding: record it and go on
-                record.update(status="error", error=f"{type(err).__name__}: {err}",
-                              traceback=traceback.format_exc())
-            record["seconds"] = round(time.perf_counter() - t0, 2)
-        results["cells"].append(record)
-        args.out.write_text(json.dumps(results, indent=1))
-        shown = {k: v for k, v in record.items() if k not in ("name", "traceback", "report")}
-        print(f"[{time.perf_counter() - started:6.1f}s] {name}: {json.dumps(shown)}", flush=True)
-        if "traceback" in record:
-            print(record["traceback"], flush=True)
+        run_cell("", name, run)
 
     def compiled_target(model: str, fmt: str, buckets: tuple[int, ...], attention=SLICED) -> Target:
         compiled_step.GPU_BLOCK_BUCKETS = buckets  # runs 1 and 2 patched BLOCK_BUCKETS (then used on every device)
