@@ -7,6 +7,8 @@ its text, with the same method's answer at one client and with vanilla's at one 
 server gives the same text whatever shares its steps. Not part of the test suite (it runs for minutes):
 
     .venv/bin/python scripts/serve_equality.py --methods vanilla,pld,eagle3 --weights q4_1 --out runs/serve-eq.json
+    .venv/bin/python scripts/serve_equality.py --methods vanilla,sps --weights q4_1 \
+        --serve-option sps:--draft=SmolLM2-135M-Instruct --serve-option sps:--draft-weights=int4
 """
 
 from __future__ import annotations
@@ -44,7 +46,15 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--ready-timeout", type=float, default=900)
     p.add_argument("--out", type=Path, help="write the table here as JSON")
+    p.add_argument("--serve-option", action="append", default=[], metavar="METHOD:ARG",
+                   help="extra argument for that method's server, e.g. sps:--draft=SmolLM2-135M-Instruct (repeatable)")
     args = p.parse_args()
+    extra: dict[str, list[str]] = {}
+    for option in args.serve_option:
+        method, _, argument = option.partition(":")
+        if not argument:
+            p.error(f"--serve-option takes METHOD:ARG, got {option!r}")
+        extra.setdefault(method, []).append(argument)
     methods = args.methods.split(",")
     levels = [int(c) for c in args.concurrency.split(",")]
     if "vanilla" not in methods or 1 not in levels:
@@ -54,7 +64,7 @@ def main() -> int:
     texts: dict[str, dict[int, list[str]]] = {}
     for method in ["vanilla"] + [m for m in methods if m != "vanilla"]:
         port = free_port()
-        server = start_server(method, args.weights, port, [])
+        server = start_server(method, args.weights, port, extra.get(method, []))
         try:
             wait_healthy(port, server, args.ready_timeout)
             model = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none").models.list().data[0].id
