@@ -124,22 +124,35 @@ def test_greedy_output_equals_transformers_generate(method, options, eagle_head_
     assert accepted > 0, "the head never drafted an accepted token, so equality proved little"
 
 
-def test_dynamic_tree_keeps_the_most_valuable_connected_nodes(stories_target, eagle_head_dir):
+def test_dynamic_tree_keeps_the_most_valuable_connected_nodes(stories_target, eagle_head_dir, monkeypatch):
+    import specula.drafters.eagle as eagle
+
     head = EagleHead.from_pretrained(eagle_head_dir)
     drafter = EagleDrafter(stories_target, head, dynamic=True, total_tokens=12, depth=4, top_k=3)
     prompt = specula.load(STORIES, dtype="float32").encode(STORY_PROMPTS[0])
     out = stories_target.prefill(prompt, drafter.features)
     drafter.start(prompt, out)
     context = torch.cat([prompt, torch.tensor([int(out.logits[-1].argmax())])])
-    captured = {}
-    original = drafter._grow
+    captured, masks = {}, []
+    original_grow, original_assemble, original_step = drafter._grow, eagle.assemble, drafter.head.step
 
-    def spy(root_feature, depth):
-        nodes = original(root_feature, depth)
-        captured["nodes"] = nodes
-        return nodes
+    def spy_grow(*args):
+        captured["nodes"] = original_grow(*args)
+        return captured["nodes"]
 
-    drafter._grow = spy
+    def spy_assemble(*args):
+        captured["levels"], captured["grown"] = args[2], original_assemble(*args)
+        return captured["grown"]
+
+    def spy_step(*args, **kwargs):
+        if kwargs.get("own_features"):
+            masks.append(args[4][0, 0])  # [rows, allocated]: what each fed pair attended to
+        return original_step(*args, **kwargs)
+
+    drafter._grow = spy_grow
+    monkeypatch.setattr(eagle, "assemble", spy_assemble)
+    monkeypatch.setattr(drafter.head, "step", spy_step)
+    committed = len(context) - 1
     tree = drafter.propose(context, max_depth=10, params=specula.SamplingParams(), generator=None)
     nodes = captured["nodes"]
     assert len(tree) == 13 and len(nodes) == 12
@@ -153,9 +166,22 @@ def test_dynamic_tree_keeps_the_most_valuable_connected_nodes(stories_target, ea
     mask = tree.ancestor_mask()
     for i in range(len(tree)):
         assert set(torch.nonzero(mask[i]).flatten().tolist()) == set(tree.path_to(i))
-    # The drafter's own ancestor matrix (which masks the head's attention) is the tree's, root left out.
-    assert torch.equal(nodes.ancestors, mask[1:, 1:])
-    assert drafter.cache.length == len(context) - 1  # draft entries were discarded
+    # Each fed pair attended to every committed pair and to the pairs of its own ancestors and itself, no other:
+    # level l feeds its frontier's 3 pairs at slots committed + 3 l + row.
+    grown_parents = captured["grown"].parents.tolist()
+    slot_of, layer_start = {}, 0
+    assert len(masks) == len(captured["levels"]) == 3
+    for level, ((frontier, *_), seen) in enumerate(zip(captured["levels"], masks, strict=True)):
+        assert seen[:, :committed].all()
+        for row, node in enumerate((layer_start + frontier.rows).tolist()):
+            slot_of[node] = 3 * level + row
+            lineage, ancestor = set(), node
+            while ancestor >= 0:
+                lineage.add(slot_of[ancestor])
+                ancestor = grown_parents[ancestor]
+            assert set((torch.nonzero(seen[row, committed:]).flatten()).tolist()) == lineage
+        layer_start += 3 if level == 0 else 9
+    assert drafter.cache.length == committed  # draft entries were discarded
     # Each node's confidence is the head's probability of its token given its parent: the products
     # along paths give back the node values (log of the path's confidence product).
     for i in range(len(nodes)):
@@ -195,20 +221,20 @@ def test_dynamic_tree_rerank_matches_brute_force_selection(stories_target, eagle
     drafter.start(prompt, out)
     context = torch.cat([prompt, torch.tensor([int(out.logits[-1].argmax())])])
     everything = {}
-    from specula.drafters.eagle import _Nodes
+    from specula.drafters.eagle_growth import DraftedNodes
 
-    original_subset = _Nodes.subset
+    original_subset = DraftedNodes.subset
 
     def spy(nodes, keep):
         everything["values"], everything["depths"] = nodes.values.tolist(), nodes.depths.tolist()
         everything["keep"] = keep.tolist()
         return original_subset(nodes, keep)
 
-    _Nodes.subset = spy
+    DraftedNodes.subset = spy
     try:
         drafter.propose(context, max_depth=10, params=specula.SamplingParams(), generator=None)
     finally:
-        _Nodes.subset = original_subset
+        DraftedNodes.subset = original_subset
     values, depths = everything["values"], everything["depths"]
     assert len(values) == 3 + 2 * 9  # top_k at depth 1, top_k * top_k at each later depth
     best = sorted(range(len(values)), key=lambda i: (-values[i], depths[i], i))[:7]

@@ -257,10 +257,47 @@ def test_a_compiled_head_step_computes_what_the_eager_step_computes(stories_targ
     torch.testing.assert_close(keys_c, keys, atol=1e-5, rtol=1e-5)
 
 
-def test_eagle3_on_a_compiled_target_drafts_compiled_and_decodes_what_transformers_decodes(eagle3_head_dir):
+def test_a_compiled_tree_level_computes_what_the_eager_level_computes(stories_target):
+    """EAGLE-2's tree level as one compiled graph (head step, top tokens, values, the next frontier, its mask and
+    positions) gives the eager level's children, values and frontier: float32, where only Inductor's sums differ."""
+    from specula.drafters.eagle_growth import LevelStep, first_frontier
+    from specula.runtime.compiled_step import HeadStep
+
+    torch.manual_seed(5)
+    head = Eagle3Head.for_target(stories_target.config, feature_layers=list(STORY_LAYERS)).eval()
+    embed = stories_target.model.get_input_embeddings()
+    features = torch.randn(20, 3 * 64)
+    tokens = torch.randint(0, stories_target.vocab_size, (20,))
+    grown = {}
+    for kind in ("eager", "compiled"):
+        cache = head.new_cache(256)
+        predicted = HeadStep(head, compile=False, device=torch.device("cpu"))(features, embed(tokens),
+                                                                              torch.arange(20), cache, None)
+        cache.commit()
+        root_tokens, root_log_confidences = head.top_tokens(predicted[-1:], 3)
+        frontier = first_frontier(root_tokens[0], root_log_confidences[0], predicted[-1:], depth=4)
+        step = LevelStep(head, embed, compile=kind == "compiled", device=torch.device("cpu"))
+        levels = []
+        for level in range(3):
+            child_tokens, values, q, frontier = step(cache, frontier, 20, level, None)
+            assert q is None
+            levels.append((child_tokens, values, frontier))
+        grown[kind] = levels
+        assert cache.length == 20  # levels write past the committed pairs and commit nothing
+    for (tokens_e, values_e, frontier_e), (tokens_c, values_c, frontier_c) in zip(*grown.values(), strict=True):
+        assert torch.equal(tokens_c, tokens_e)
+        torch.testing.assert_close(values_c, values_e, atol=1e-5, rtol=1e-5)
+        for name in ("rows", "tokens", "lineage"):
+            assert torch.equal(getattr(frontier_c, name), getattr(frontier_e, name)), name
+        torch.testing.assert_close(frontier_c.inputs, frontier_e.inputs, atol=1e-5, rtol=1e-5)
+    assert grown["eager"][-1][2].lineage.sum(dim=1).tolist() == [3, 3, 3]  # a node at depth 4 sees 3 fed ancestors
+
+
+@pytest.mark.parametrize("budget", [{}, {"total_tokens": 6, "depth": 3, "top_k": 2}], ids=["one-node", "grown"])
+def test_eagle3_on_a_compiled_target_drafts_compiled_and_decodes_what_transformers_decodes(eagle3_head_dir, budget):
     speculator = specula.load(STORIES, method="eagle3", draft=eagle3_head_dir, dtype="float32", compile=True,
-                              profile=False, head_only=True)
-    assert speculator.drafter.head_step.graph is not None
+                              profile=False, head_only=True, **budget)
+    assert speculator.drafter.head_step.graph is not None and speculator.drafter.level_step.graph is not None
     accepted = 0
     for prompt in STORY_PROMPTS[16:18]:
         ids = speculator.encode(prompt)

@@ -25,10 +25,10 @@ the acceptor's multi-round rule keeps the output exactly target-distributed.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 
 import torch
 
+from specula.drafters.eagle_growth import DraftedNodes, LevelStep, assemble, first_frontier
 from specula.errors import SpeculaError
 from specula.heads.base import DraftHead
 from specula.runtime.compiled_step import HeadStep, warm_up_blocks
@@ -45,86 +45,6 @@ CUDA_DYNAMIC = {"total_tokens": 60, "depth": 6, "top_k": 10}
 CPU_DYNAMIC = {"total_tokens": 1, "depth": 1, "top_k": 1}
 EAGLE2_BUDGETS = {"cuda": CUDA_DYNAMIC, "cpu": CPU_DYNAMIC}
 EAGLE3_BUDGETS = {"cuda": {"total_tokens": 60, "depth": 8, "top_k": 10}, "cpu": CPU_DYNAMIC}
-
-
-@dataclass
-class _Nodes:
-    """Drafted nodes (the root excluded) as tensors, in creation order (parents before children).
-
-    tokens, parents (-1: child of the root), depths (1 for the root's children): int64 [N];
-    values: float32 [N], log of the product of draft confidences on the path;
-    ancestors: bool [N, N], row i marks i and its drafted ancestors;
-    q_index: int64 [N], row of ``q_rows`` each token was sampled from (sampling only).
-    """
-
-    tokens: torch.Tensor
-    parents: torch.Tensor
-    depths: torch.Tensor
-    values: torch.Tensor
-    ancestors: torch.Tensor
-    q_index: torch.Tensor
-    q_rows: list[torch.Tensor]
-
-    @classmethod
-    def empty(cls, device: torch.device) -> _Nodes:
-        long = torch.empty(0, dtype=torch.long, device=device)
-        return cls(long, long, long, torch.empty(0, device=device), torch.empty(0, 0, dtype=torch.bool, device=device),
-                   long, [])
-
-    def __len__(self) -> int:
-        return self.tokens.shape[0]
-
-    def add(self, tokens: torch.Tensor, parents: torch.Tensor, log_confidences: torch.Tensor,
-            q: torch.Tensor | None, q_rows: torch.Tensor) -> torch.Tensor:
-        """Append children ``tokens`` [M] of ``parents`` [M] (-1: the root), each with the log of the draft's
-        confidence in it given its parent [M]; q [R, V] and q_rows [M] say which distribution each was sampled
-        from. Returns the new nodes' indices [M]."""
-        n, m = len(self), tokens.shape[0]
-        device = tokens.device
-        is_child = parents >= 0
-        parent_depths = torch.where(is_child, self.depths[parents.clamp(min=0)] if n else 0, 0)
-        parent_values = torch.where(is_child, self.values[parents.clamp(min=0)] if n else 0, 0.0)
-        grown = torch.zeros(n + m, n + m, dtype=torch.bool, device=device)
-        grown[:n, :n] = self.ancestors
-        if n:
-            grown[n:, :n] = self.ancestors[parents.clamp(min=0)] & is_child[:, None]
-        grown[n:, n:] = torch.eye(m, dtype=torch.bool, device=device)
-        self.ancestors = grown
-        if q is not None:
-            offset = sum(rows.shape[0] for rows in self.q_rows)
-            self.q_rows.append(q)
-            self.q_index = torch.cat([self.q_index, q_rows + offset])
-        self.tokens = torch.cat([self.tokens, tokens])
-        self.parents = torch.cat([self.parents, parents])
-        self.depths = torch.cat([self.depths, parent_depths + 1])
-        self.values = torch.cat([self.values, (parent_values + log_confidences).float()])
-        return torch.arange(n, n + m, device=device)
-
-    def subset(self, keep: torch.Tensor) -> _Nodes:
-        """The nodes ``keep`` (every kept node's parent kept too) in (depth, creation) order, parents re-indexed."""
-        keep = keep.sort().values
-        keep = keep[torch.argsort(self.depths[keep], stable=True)]
-        new_index = torch.full((len(self),), -1, dtype=torch.long, device=keep.device)
-        new_index[keep] = torch.arange(keep.shape[0], device=keep.device)
-        parents = self.parents[keep]
-        parents = torch.where(parents >= 0, new_index[parents.clamp(min=0)], -1)
-        q_index = self.q_index[keep] if self.q_rows else self.q_index
-        return _Nodes(self.tokens[keep], parents, self.depths[keep], self.values[keep],
-                      self.ancestors[keep][:, keep], q_index, self.q_rows)
-
-    def as_tree(self, root: int) -> DraftTree:
-        """DraftTree with the root as node 0 and drafted node i as node i + 1 (one host transfer: the parents)."""
-        device = self.tokens.device
-        tokens = torch.cat([torch.tensor([root], dtype=torch.long, device=device), self.tokens])
-        draft_probs = None
-        if self.q_rows and len(self):
-            q = torch.cat(self.q_rows)[self.q_index]
-            draft_probs = torch.cat([torch.zeros_like(q[:1]), q])
-        # A node's value is the log of its path's confidence product: the step from its parent is its own.
-        parent_values = torch.where(self.parents >= 0, self.values[self.parents.clamp(min=0)], 0.0)
-        confidences = torch.cat([torch.ones(1), torch.exp(self.values - parent_values).cpu()])
-        parents = [-1] + (self.parents + 1).tolist()
-        return DraftTree(tokens, parents, draft_probs, confidences)
 
 
 def check_head_fits(head: DraftHead, hidden_size: int, vocab_size: int) -> None:
@@ -173,7 +93,10 @@ class EagleDrafter:
         if widest > draftable:
             what = f"top_k {self.top_k}" if dynamic else f"a tree rank of {widest - 1}"
             raise SpeculaError(f"{what} asks for more children per node than the {draftable} tokens the head drafts")
-        self.cache = head.new_cache(target.max_length + self.total_tokens + 64)
+        # Room past the context for the drafted pairs: a static tree's nodes, or a dynamic tree's depth - 1 levels
+        # of top_k pairs (`grow_level` writes level l at committed + l * top_k ...), and a padded block's rows.
+        self.cache = head.new_cache(target.max_length + max(self.total_tokens, self.depth * self.top_k) + 64)
+        self.level_step = LevelStep(self.head, self.embed, target.compiled, target.device)
         self.pending: torch.Tensor | None = None  # target features not yet paired with their next token
 
     def start(self, prompt: torch.Tensor, target_out: ForwardOutput) -> None:
@@ -189,7 +112,8 @@ class EagleDrafter:
     def warm_up(self, max_block: int) -> None:
         """Compile now the head steps a generation meets (nothing unless the head step is compiled): the catch-up
         step over every padded size of up to ``max_block`` pairs, plain and with the greedy one-level top tokens,
-        so that no timed draft pays for a compilation. Tree levels deeper than one still compile when met.
+        and a greedy tree level (a dynamic tree's), so that no timed draft pays for a compilation. A static tree's
+        deeper levels still compile when met.
         Leaves the target's and the head's caches empty."""
         if self.head_step.graph is None:
             return
@@ -199,14 +123,21 @@ class EagleDrafter:
         target.reset()
         embed = self.embed(token)
         self.cache.truncate(0)
-        self.head_step(feature, embed, torch.zeros(1, dtype=torch.long, device=target.device), self.cache, None)
+        predicted = self.head_step(feature, embed, torch.zeros(1, dtype=torch.long, device=target.device),
+                                   self.cache, None)
         self.cache.commit()  # a prefix: a compiled step never runs into an empty cache
-        tops = (0, max(self._one_level_ranks()) + 1)  # a plain catch-up, and the greedy one-level draft's
+        grows = self.dynamic and self.depth > 1
+        # A plain catch-up, the greedy one-level draft's and a grown tree's (its root's top_k children).
+        tops = {0, max(self._one_level_ranks()) + 1} | ({self.top_k} if grows else set())
         for size in warm_up_blocks(target.device, max_block):
             positions = torch.arange(1, 1 + size, device=target.device)
-            for top in tops:
+            for top in sorted(tops):
                 self.head_step(feature.expand(size, -1), embed.expand(size, -1), positions, self.cache, None, top=top)
                 self.cache.truncate(1)
+        if grows:  # the one graph every greedy tree level runs
+            root = token.expand(self.top_k)
+            self.level_step(self.cache, first_frontier(root, torch.zeros(self.top_k), predicted, self.depth), 1, 0,
+                            None)
         self.cache.truncate(0)
         self.pending = None
 
@@ -227,21 +158,25 @@ class EagleDrafter:
         start = self.cache.length
         positions = torch.arange(start, start + count, device=context.device)
         embeds = self.embed(context[-count:])
-        if depth == 1 and params.greedy:
+        root_children = None
+        if params.greedy and (depth == 1 or self.dynamic):
             # The root's children straight from the head's top tokens, in the same (compiled) call as the step.
-            ranks = self._one_level_ranks()
-            _, tokens, log_confidences = self.head_step(self.pending, embeds, positions, self.cache, None,
-                                                        top=max(ranks) + 1)
-            self.pending = None
-            self.cache.commit()
-            return self._one_level(tokens, log_confidences, ranks, context[-1:])
-        predicted = self.head_step(self.pending, embeds, positions, self.cache, None)
+            ranks = self._one_level_ranks() if depth == 1 else list(range(self.top_k))
+            predicted, *root_children = self.head_step(self.pending, embeds, positions, self.cache, None,
+                                                       top=max(ranks) + 1)
+        else:
+            predicted = self.head_step(self.pending, embeds, positions, self.cache, None)
         self.pending = None
         self.cache.commit()
+        if depth == 1 and root_children:
+            return self._one_level(*root_children, ranks, context[-1:])
         root_feature = predicted[-1:]
         committed = self.cache.length
         try:
-            nodes = self._grow(root_feature, depth) if self.dynamic else self._grow_static(root_feature, depth)
+            if self.dynamic:
+                nodes = self._grow(root_feature, depth, root_children)
+            else:
+                nodes = self._grow_static(root_feature, depth)
         finally:
             self.cache.truncate(committed)
         return nodes.as_tree(int(context[-1]))
@@ -285,7 +220,7 @@ class EagleDrafter:
             return drawn, confidences, q
         return ids[drawn], confidences, q.new_zeros(q.shape[0], self.target.vocab_size).index_copy_(1, ids, q)
 
-    def _feed(self, nodes: _Nodes, frontier: torch.Tensor, parent_features: torch.Tensor, fed: torch.Tensor,
+    def _feed(self, nodes: DraftedNodes, frontier: torch.Tensor, parent_features: torch.Tensor, fed: torch.Tensor,
               committed: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the pairs of ``frontier`` nodes [F] through the head after the ``fed`` ones (node indices in
         head-cache order); returns (their predicted features [F, H], the new ``fed``)."""
@@ -299,23 +234,21 @@ class EagleDrafter:
         self.cache.commit()
         return out, fed
 
-    def _grow(self, root_feature: torch.Tensor, depth: int) -> _Nodes:
-        """EAGLE-2: expand the most valuable nodes layer by layer, then keep the best ``total_tokens``."""
+    def _grow(self, root_feature: torch.Tensor, depth: int, root_children: list | None) -> DraftedNodes:
+        """EAGLE-2: expand the most valuable nodes level by level (`grow_level`), then keep the best
+        ``total_tokens``. ``root_children``: the root's top_k (tokens, log-confidences) [1, top_k] from the
+        catch-up step (greedy), or None to draw them here."""
         committed, k, device = self.cache.length, self.top_k, root_feature.device
-        nodes = _Nodes.empty(device)
-        tokens, confidences, q = self._children(root_feature, k)
-        no_parent = torch.full((k,), -1, dtype=torch.long, device=device)
-        frontier = nodes.add(tokens[0], no_parent, confidences[0], q, torch.zeros(k, dtype=torch.long, device=device))
-        frontier_inputs = root_feature.expand(k, -1)
-        fed = torch.empty(0, dtype=torch.long, device=device)
-        for _ in range(depth - 1):
-            predicted, fed = self._feed(nodes, frontier, frontier_inputs, fed, committed)
-            tokens, confidences, q = self._children(predicted, k)
-            rows = torch.arange(frontier.shape[0], device=device).repeat_interleave(k)  # row-major by parent
-            new = nodes.add(tokens.flatten(), frontier[rows], confidences.flatten(), q, rows)
-            # Only the top_k most valuable new nodes are expanded further.
-            chosen = torch.topk(nodes.values[new], k).indices
-            frontier, frontier_inputs = new[chosen], predicted[chosen // k]
+        tokens, confidences, q = (*root_children, None) if root_children else self._children(root_feature, k)
+        # The lineage sized for the drafter's full depth, also when the end of the answer cuts the tree: one shape.
+        frontier = first_frontier(tokens[0], confidences[0], root_feature, self.depth)
+        children = None if self._params.greedy else self._children
+        levels = []
+        for level in range(depth - 1):
+            child_tokens, values, level_q, after = self.level_step(self.cache, frontier, committed, level, children)
+            levels.append((frontier, child_tokens, values, level_q))
+            frontier = after
+        nodes = assemble(tokens[0], confidences[0].float(), levels, q, k)
         if not self._params.greedy:
             # Sampled siblings must stay i.i.d. draws from q for the acceptor to be lossless, so none may
             # be dropped for its value: keep nodes in creation order (sample order within siblings).
@@ -326,11 +259,11 @@ class EagleDrafter:
         order = order[torch.argsort(-nodes.values[order], stable=True)]
         return nodes.subset(order[: self.total_tokens])
 
-    def _grow_static(self, root_feature: torch.Tensor, depth: int) -> _Nodes:
+    def _grow_static(self, root_feature: torch.Tensor, depth: int) -> DraftedNodes:
         """EAGLE-1: children of each node by rank, as listed in ``choices`` (a plan fixed per depth)."""
         committed, device = self.cache.length, root_feature.device
         plan = self._static_plan(depth)
-        nodes = _Nodes.empty(device)
+        nodes = DraftedNodes.empty(device)
         # Row 0: the root's feature; row i + 1: the predicted feature of node i, once it is fed.
         features = root_feature.new_zeros(1 + sum(level["rows"].numel() for level in plan), root_feature.shape[-1])
         features[0] = root_feature[0]

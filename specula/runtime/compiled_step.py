@@ -266,11 +266,22 @@ def _head_graph(head, features, token_embeds, positions, cache, mask, slots, own
     return head_step(head, features, token_embeds, positions, cache, mask, own_features, slots, last, top)
 
 
-_HEAD_GRAPHS: dict[str, Callable] = {}  # head structure -> `_head_graph` with a code object of its own
+_GRAPHS: dict[str, Callable] = {}  # function and module structures -> the function with a code object of its own
 
 
-def graph_function(head: torch.nn.Module) -> Callable:
-    """`_head_graph` for heads of ``head``'s structure (class, modules, parameter and buffer shapes and dtypes).
+def module_structure(module: torch.nn.Module) -> str:
+    """A module's structure: its class, its modules', its parameters' and buffers' shapes and dtypes."""
+    return ";".join([type(module).__qualname__]
+                    + [f"{name}:{type(child).__qualname__}" for name, child in module.named_modules()]
+                    + [f"{name}:{tuple(t.shape)}:{t.dtype}"
+                       for name, t in [*module.named_parameters(), *module.named_buffers()]])
+
+
+def graph_function(head: torch.nn.Module, function: Callable | None = None,
+                   *modules: torch.nn.Module) -> Callable:
+    """``function`` (default `_head_graph`) for heads of ``head``'s structure (`module_structure`), and of
+    ``modules``' structures where the function is given more modules (a drafter's tree level: the target's
+    embedding).
 
     Dynamo keeps its graphs and guards per code object, and `compiled` leaves out the guards on modules. So in a
     process that compiled an EAGLE head, an EAGLE-3 head sharing the code object met the EAGLE head's graph:
@@ -278,13 +289,11 @@ def graph_function(head: torch.nn.Module) -> Callable:
     One code object per structure keeps heads of different structure apart; heads of the same structure share
     graphs, their weights being graph inputs.
     """
-    structure = ";".join([type(head).__qualname__]
-                         + [f"{name}:{type(module).__qualname__}" for name, module in head.named_modules()]
-                         + [f"{name}:{tuple(t.shape)}:{t.dtype}"
-                            for name, t in [*head.named_parameters(), *head.named_buffers()]])
-    function = _HEAD_GRAPHS.get(structure)
-    if function is None:
-        code = _head_graph.__code__.replace(co_name=f"head_graph_{len(_HEAD_GRAPHS)}")
-        function = types.FunctionType(code, _head_graph.__globals__, code.co_name)
-        _HEAD_GRAPHS[structure] = function
-    return function
+    function = function or _head_graph
+    structure = "|".join([function.__qualname__, *map(module_structure, (head, *modules))])
+    copy = _GRAPHS.get(structure)
+    if copy is None:
+        code = function.__code__.replace(co_name=f"{function.__name__}_{len(_GRAPHS)}")
+        copy = types.FunctionType(code, function.__globals__, code.co_name)
+        _GRAPHS[structure] = copy
+    return copy
