@@ -22,6 +22,7 @@ import time
 
 import specula
 from specula.certify.check import read_prompts
+from specula.decoding import warm_up
 from specula.errors import SpeculaError
 from specula.runtime.compiled_step import WARM_UP_BLOCK
 from specula.sampling import SamplingParams
@@ -60,10 +61,10 @@ def main(argv: list[str] | None = None) -> int:
         settings = [parse_setting(text) for text in args.settings]
         base = specula.load(args.target, method="vanilla", weights=args.weights, profile=False, compile=args.compile)
         speculators = [specula.load(base.target, method, profile=False, **options) for method, options in settings]
-        if args.compile:  # no timed prompt pays for compiling a block size, as in `specula bench`
+        if args.compile:  # no timed prompt pays for compiling a block size or a head's step, as in `specula bench`
             for speculator in speculators:
-                base.target.warm_up(WARM_UP_BLOCK, speculator.drafter.features)
-                # ... and a head's draft steps, which compile when first met
+                warm_up(base.target, speculator.drafter, WARM_UP_BLOCK)
+                # ... and what a decode meets past the warmed sizes (a merged tree's larger blocks)
                 speculator.generate(prompts[0], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                     seed=args.seed)
     except SpeculaError as err:

@@ -41,6 +41,7 @@ from specula.options import (
     HEAD_ONLY,
     LDLP,
     MAX_NGRAM,
+    MIN_CONFIDENCE,
     MIN_NGRAM,
     NUM_TOKENS,
     SUFFIX_OPTIONS,
@@ -154,6 +155,8 @@ def _eagle3(target: Target, draft: Path | None, options: dict, dtype: str) -> Dr
 def _check_dynamic_tree(options: dict) -> None:
     """A tree of ``depth`` steps expanding ``top_k`` nodes with ``top_k`` children each holds
     top_k + (depth - 1)·top_k² drafted nodes at most; asking to keep more would be silently capped."""
+    if options.get("min_confidence", 0.0) > 1:
+        raise SpeculaError(f"min_confidence is a probability (at most 1), got {options['min_confidence']}")
     if {"total_tokens", "depth", "top_k"} <= set(options):
         top_k, depth = options["top_k"], options["depth"]
         most = top_k + (depth - 1) * top_k * top_k
@@ -178,6 +181,7 @@ def _check_ada(options: dict) -> None:
 
 
 HEAD = "a trained {} head directory for this target"
+DYNAMIC_TREE_OPTIONS = (TOTAL_TOKENS, DEPTH, TOP_K, MIN_CONFIDENCE, HEAD_ONLY)
 METHODS: dict[str, Method] = {m.name: m for m in (
     Method("vanilla", "plain autoregressive decoding (the baseline)", (), _vanilla),
     Method("sps", "standard speculative sampling with a small draft model (Leviathan et al.)",
@@ -190,11 +194,10 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("eagle", "EAGLE head drafting a static tree", (CHOICES, HEAD_ONLY), _eagle(dynamic=False),
            draft=HEAD.format("EAGLE"), why_not="eagle drafts a static tree given by --tree-choices; eagle2 grows "
            "dynamic trees"),
-    Method("eagle2", "EAGLE head drafting EAGLE-2 dynamic trees", (TOTAL_TOKENS, DEPTH, TOP_K, HEAD_ONLY),
-           _eagle(dynamic=True),
+    Method("eagle2", "EAGLE head drafting EAGLE-2 dynamic trees", DYNAMIC_TREE_OPTIONS, _eagle(dynamic=True),
            draft=HEAD.format("EAGLE"), check=_check_dynamic_tree),
     Method("eagle3", "EAGLE-3 head (fused features, draft vocabulary) drafting dynamic trees",
-           (TOTAL_TOKENS, DEPTH, TOP_K, HEAD_ONLY), _eagle3, draft=HEAD.format("EAGLE-3"), check=_check_dynamic_tree),
+           DYNAMIC_TREE_OPTIONS, _eagle3, draft=HEAD.format("EAGLE-3"), check=_check_dynamic_tree),
     Method("medusa", "Medusa heads drafting a static candidate tree", (CHOICES,), _medusa,
            draft=HEAD.format("Medusa"), why_not="Medusa drafts a static tree given by --tree-choices"),
     Method("ada", "EAGLE head drafting chains whose length an AdaEAGLE predictor (LDLP) sets",

@@ -102,6 +102,9 @@ CHOICES = OptionSpec("choices", "tree", "--tree-choices",
 TOTAL_TOKENS = OptionSpec("total_tokens", "int", "--tree-total-tokens", "dynamic tree: draft nodes kept", 1, "N")
 DEPTH = OptionSpec("depth", "int", "--tree-depth", "dynamic tree: expansion steps", 1, "N")
 TOP_K = OptionSpec("top_k", "int", "--tree-top-k", "dynamic tree: nodes expanded per step", 1, "K")
+MIN_CONFIDENCE = OptionSpec("min_confidence", "float", "--tree-min-confidence",
+                            "dynamic tree: grow no deeper under a layer whose best path confidence (the product of "
+                            "the head's probabilities) is below P", 0.0, "P")
 LDLP = OptionSpec("ldlp", "path", "--ldlp", "ada: the draft length predictor (default: DRAFT/ldlp)", None, "DIR")
 # A draft model in a cheaper format than the target's (e.g. the target itself in q4_1 drafting for its
 # float32 self) is the one sps draft this machine has for a target without a smaller sibling.

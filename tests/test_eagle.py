@@ -190,6 +190,35 @@ def test_dynamic_tree_keeps_the_most_valuable_connected_nodes(stories_target, ea
         assert abs(torch.log(tree.confidences[path]).sum().item() - values[i]) < 1e-4
 
 
+def test_a_dynamic_tree_grows_no_deeper_than_its_confidence_floor(stories_target, eagle_head_dir):
+    """min_confidence stops growth under a layer whose best path confidence is below it: a floor of 1 keeps the
+    root's children alone, a floor between the layers' best confidences stops between them."""
+    head = EagleHead.from_pretrained(eagle_head_dir)
+    prompt = specula.load(STORIES, dtype="float32").encode(STORY_PROMPTS[0])
+    trees = {}
+    for floor in (0.0, 1.0):
+        drafter = EagleDrafter(stories_target, head, dynamic=True, total_tokens=4, depth=4, top_k=1,
+                               min_confidence=floor)
+        out = stories_target.prefill(prompt, drafter.features)
+        drafter.start(prompt, out)
+        context = torch.cat([prompt, torch.tensor([int(out.logits[-1].argmax())])])
+        trees[floor] = drafter.propose(context, max_depth=10, params=specula.SamplingParams(), generator=None)
+    assert trees[0.0].parents == [-1, 0, 1, 2, 3] and trees[1.0].parents == [-1, 0]
+    path = torch.cumprod(trees[0.0].confidences[1:], 0)  # the chain's path confidences, depth 1..4
+    between = float(path[1] + path[2]) / 2  # below depth 2's path, above depth 3's: growth stops after depth 3
+    assert path[1] > path[2]
+    drafter = EagleDrafter(stories_target, head, dynamic=True, total_tokens=4, depth=4, top_k=1, min_confidence=between)
+    out = stories_target.prefill(prompt, drafter.features)
+    drafter.start(prompt, out)
+    tree = drafter.propose(context, max_depth=10, params=specula.SamplingParams(), generator=None)
+    assert tree.parents == [-1, 0, 1, 2] and torch.equal(tree.tokens, trees[0.0].tokens[:4])
+
+
+def test_a_confidence_floor_above_one_is_refused(eagle_head_dir):
+    with pytest.raises(SpeculaError, match="min_confidence"):
+        specula.load(STORIES, method="eagle2", draft=eagle_head_dir, dtype="float32", min_confidence=1.5)
+
+
 @pytest.mark.parametrize("dynamic, shallow, deep", [
     (True, {"total_tokens": 3, "depth": 1, "top_k": 3}, {"total_tokens": 12, "depth": 2, "top_k": 3}),
     (False, {"choices": [[0], [1], [2]]}, {"choices": [[0], [1], [2], [0, 0], [1, 0]]})])

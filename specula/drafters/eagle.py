@@ -25,6 +25,7 @@ the acceptor's multi-round rule keeps the output exactly target-distributed.
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
 
@@ -44,6 +45,8 @@ STATIC_TREES = {"cuda": GPU_CHOICES, "cpu": [[0]]}
 CUDA_DYNAMIC = {"total_tokens": 60, "depth": 6, "top_k": 10}
 CPU_DYNAMIC = {"total_tokens": 1, "depth": 1, "top_k": 1}
 EAGLE2_BUDGETS = {"cuda": CUDA_DYNAMIC, "cpu": CPU_DYNAMIC}
+# Head-cache slots past the context for a tree's pairs (GPU_CHOICES: 10; CUDA_DYNAMIC: 5 levels of 10) and padding.
+DRAFT_SLOTS = 256
 EAGLE3_BUDGETS = {"cuda": {"total_tokens": 60, "depth": 8, "top_k": 10}, "cpu": CPU_DYNAMIC}
 
 
@@ -65,7 +68,8 @@ class EagleDrafter:
 
     def __init__(self, target: Target, head: DraftHead, dynamic: bool, name: str | None = None,
                  choices: list[list[int]] | None = None, total_tokens: int | None = None,
-                 depth: int | None = None, top_k: int | None = None, budgets: dict | None = None):
+                 depth: int | None = None, top_k: int | None = None, budgets: dict | None = None,
+                 min_confidence: float | None = None):
         check_head_fits(head, target.config.hidden_size, target.vocab_size)
         self.name = name or ("eagle2" if dynamic else "eagle")
         self.target = target
@@ -83,6 +87,8 @@ class EagleDrafter:
         self.total_tokens = total_tokens or budget["total_tokens"]
         self.depth = depth or budget["depth"]
         self.top_k = top_k or budget["top_k"]
+        # EAGLE-2's node value as a stop rule: no level grows under a layer whose best path is less likely.
+        self.min_confidence = budget.get("min_confidence", 0.0) if min_confidence is None else min_confidence
         self.choices = sorted(choices or STATIC_TREES[device], key=lambda path: (len(path), path))
         self._plans: dict[int, list[dict]] = {}  # static tree growth per depth (`_static_plan`)
         if min(self.total_tokens, self.depth, self.top_k) < 1:
@@ -95,7 +101,11 @@ class EagleDrafter:
             raise SpeculaError(f"{what} asks for more children per node than the {draftable} tokens the head drafts")
         # Room past the context for the drafted pairs: a static tree's nodes, or a dynamic tree's depth - 1 levels
         # of top_k pairs (`grow_level` writes level l at committed + l * top_k ...), and a padded block's rows.
-        self.cache = head.new_cache(target.max_length + max(self.total_tokens, self.depth * self.top_k) + 64)
+        # One size for every budget up to `DRAFT_SLOTS`: the allocation is a compiled graph's shape, and drafters
+        # of several budgets in one process (a sweep, a bench) then share their graphs (with a size per budget
+        # they met dynamo's recompile limit and ran eager: 0.6x vanilla).
+        drafted = max(self.total_tokens, self.depth * self.top_k, len(self.choices))
+        self.cache = head.new_cache(target.max_length + max(DRAFT_SLOTS, drafted + 64))
         self.level_step = LevelStep(self.head, self.embed, target.compiled, target.device)
         self.pending: torch.Tensor | None = None  # target features not yet paired with their next token
 
@@ -244,7 +254,10 @@ class EagleDrafter:
         frontier = first_frontier(tokens[0], confidences[0], root_feature, self.depth)
         children = None if self._params.greedy else self._children
         levels = []
+        floor = math.log(self.min_confidence) if self.min_confidence > 0 else None
         for level in range(depth - 1):
+            if floor is not None and float(frontier.values.max()) < floor:  # one host read a level, with a floor
+                break
             child_tokens, values, level_q, after = self.level_step(self.cache, frontier, committed, level, children)
             levels.append((frontier, child_tokens, values, level_q))
             frontier = after
