@@ -297,7 +297,14 @@ def test_a_compiled_tree_level_computes_what_the_eager_level_computes(stories_ta
 def test_eagle3_on_a_compiled_target_drafts_compiled_and_decodes_what_transformers_decodes(eagle3_head_dir, budget):
     speculator = specula.load(STORIES, method="eagle3", draft=eagle3_head_dir, dtype="float32", compile=True,
                               profile=False, head_only=True, **budget)
+    from torch._dynamo.utils import counters
+
+    from specula.decoding import warm_up
+
     assert speculator.drafter.head_step.graph is not None and speculator.drafter.level_step.graph is not None
+    # Blocks of the root and the tree's nodes at most (1 + 1, 1 + 6), catch-ups of at most depth + 1 pairs.
+    warm_up(speculator.target, speculator.drafter, max_block=1 + budget.get("total_tokens", 1))
+    compiled_before = counters["stats"]["unique_graphs"]
     accepted = 0
     for prompt in STORY_PROMPTS[16:18]:
         ids = speculator.encode(prompt)
@@ -306,7 +313,9 @@ def test_eagle3_on_a_compiled_target_drafts_compiled_and_decodes_what_transforme
                                                     min_new_tokens=32)[0, len(ids):]
         assert result.token_ids == expected.tolist()
         accepted += sum(result.stats.accepted_lengths)
-    assert accepted > 0  # the compiled one-node drafts were accepted
+    assert accepted > 0  # the compiled drafts were accepted
+    # The warm-up compiled every step a decode met: the catch-up steps, and a grown tree's one level graph.
+    assert counters["stats"]["unique_graphs"] == compiled_before
 
 
 def test_an_eagle3_head_compiled_after_an_eagle_head_runs_its_own_graph():

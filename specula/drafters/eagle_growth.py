@@ -177,8 +177,9 @@ def first_frontier(tokens: torch.Tensor, log_confidences: torch.Tensor, root_fea
     levels: each node's pair is fed with the root's predicted feature [1, H] and sees its own slot."""
     k = tokens.shape[0]
     lineage = torch.eye(k, (depth - 1) * k, dtype=torch.bool, device=tokens.device)
-    return Frontier(torch.arange(k, device=tokens.device), tokens, log_confidences.float(),
-                    root_feature.expand(k, -1), lineage)
+    # Contiguous, as every later level's are: a compiled level's graph is specialised to its inputs' strides.
+    return Frontier(torch.arange(k, device=tokens.device), tokens.contiguous(), log_confidences.float().contiguous(),
+                    root_feature.expand(k, -1).contiguous(), lineage)
 
 
 def assemble(root_tokens: torch.Tensor, root_values: torch.Tensor, levels: list, root_q: torch.Tensor | None,
