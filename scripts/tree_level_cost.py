@@ -54,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     try:
+        if args.limit < 1 or args.max_new_tokens < 1:
+            raise SpeculaError("--limit and --max-new-tokens must be >= 1")
         budgets = [parse_budget(text) for text in args.budgets]
         prompts = read_prompts(args.prompts)[:args.limit]
         base = specula.load(None, method="vanilla", weights=args.weights, profile=False, compile=args.compile)

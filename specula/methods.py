@@ -154,7 +154,8 @@ def _eagle3(target: Target, draft: Path | None, options: dict, dtype: str) -> Dr
 
 def _check_dynamic_tree(options: dict) -> None:
     """A tree of ``depth`` steps expanding ``top_k`` nodes with ``top_k`` children each holds
-    top_k + (depth - 1)·top_k² drafted nodes at most; asking to keep more would be silently capped."""
+    top_k + (depth - 1)·top_k² drafted nodes at most; asking to keep more would be silently capped. And
+    ``min_confidence`` is a path probability: a floor above 1 would stop every tree at its first layer."""
     if options.get("min_confidence", 0.0) > 1:
         raise SpeculaError(f"min_confidence is a probability (at most 1), got {options['min_confidence']}")
     if {"total_tokens", "depth", "top_k"} <= set(options):

@@ -29,7 +29,7 @@ import math
 
 import torch
 
-from specula.drafters.eagle_growth import DraftedNodes, LevelStep, assemble, first_frontier
+from specula.drafters.eagle_growth import DraftedNodes, LevelStep, assemble, first_frontier, greedy_children
 from specula.errors import SpeculaError
 from specula.heads.base import DraftHead
 from specula.runtime.compiled_step import HeadStep, warm_up_blocks
@@ -45,7 +45,8 @@ STATIC_TREES = {"cuda": GPU_CHOICES, "cpu": [[0]]}
 CUDA_DYNAMIC = {"total_tokens": 60, "depth": 6, "top_k": 10}
 CPU_DYNAMIC = {"total_tokens": 1, "depth": 1, "top_k": 1}
 EAGLE2_BUDGETS = {"cuda": CUDA_DYNAMIC, "cpu": CPU_DYNAMIC}
-# Head-cache slots past the context for a tree's pairs (GPU_CHOICES: 10; CUDA_DYNAMIC: 5 levels of 10) and padding.
+# Head-cache slots past the context for a tree's pairs and a padded block's rows (GPU_CHOICES: 10 pairs; the GPU
+# dynamic budgets: 5 and 7 levels of 10; with 64 padding rows at most 134).
 DRAFT_SLOTS = 256
 EAGLE3_BUDGETS = {"cuda": {"total_tokens": 60, "depth": 8, "top_k": 10}, "cpu": CPU_DYNAMIC}
 
@@ -218,8 +219,7 @@ class EagleDrafter:
         min(1, p/q): far more often than a point-mass top-k guess is accepted with p(x).
         """
         if self._params.greedy:
-            tokens, log_confidences = self.head.top_tokens(features, count)
-            return tokens, log_confidences, None
+            return greedy_children(self.head)(features, count)
         # Drawn over the tokens the head can draft (EAGLE-3: its draft vocabulary, a sixth of SmolLM2's), the
         # distribution then widened with zeros to the target's vocabulary for the acceptor.
         logits, ids = self.head.drafted_logits(features)
