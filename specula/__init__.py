@@ -12,7 +12,7 @@ if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
 from specula.api import Generation, Speculator, StreamChunk
 from specula.errors import SpeculaError
 from specula.methods import build_speculator, load
-from specula.runtime.compiled_step import inductor_cache
+from specula.runtime.precompiled import inductor_cache
 from specula.sampling import SamplingParams
 
 # Before anything asks Inductor where its cache is (loading a target does): what --compile builds is kept in

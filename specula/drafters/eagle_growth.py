@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specula.runtime.compiled_step import allocate_whole, bucket, compiled, graph_function
+from specula.runtime.compiled_step import allocate_whole, bucket, graph_function
+from specula.runtime.precompiled import Precompiled
 from specula.runtime.static_cache import SlotBlock, StaticKVCache
 from specula.tree import DraftTree
 
@@ -221,7 +222,7 @@ class LevelStep:
 
     def __init__(self, head, embed: torch.nn.Module, compile: bool, device: torch.device):
         self.head, self.embed = head, embed
-        self.graph = compiled(graph_function(head, _level_graph, embed), device) if compile else None
+        self.graph = Precompiled(graph_function(head, _level_graph, embed), device) if compile else None
 
     def __call__(self, cache: StaticKVCache, frontier: Frontier, committed: int, level: int,
                  children: Children | None):

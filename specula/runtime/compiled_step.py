@@ -50,16 +50,13 @@ compiled one-token step gives it (`tests/test_row_invariance.py`; on a GPU, `GPU
 
 from __future__ import annotations
 
-import os
 import types
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from specula.kernels.attention import kernel as attention_kernel
-from specula.runtime.model_source import cache_dir
+from specula.runtime.precompiled import Precompiled, module_structure
 from specula.runtime.static_cache import (
     FusedProjections,
     SlotBlock,
@@ -108,38 +105,6 @@ def warm_up_blocks(device: torch.device, max_block: int) -> list[int]:
     ``max_block`` tokens runs at on ``device``: one per bucket (on a GPU one block, padded to its one size)."""
     last = bucket(max_block, device) or max(block_buckets(device))
     return [min(size, max_block) for size in block_buckets(device) if size <= last]
-
-
-def inductor_cache() -> Path:
-    """Where Inductor keeps what it compiled: ``$TORCHINDUCTOR_CACHE_DIR`` where the user set it, else (set now, as
-    `specula` does on import) ``inductor/`` in Specula's cache (`cache_dir`), not a temporary directory a reboot
-    may clear. The tests' cache directory shares it with the machine's: it is keyed by content."""
-    chosen = os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
-    return Path(chosen)
-
-
-def compiled(function, device: torch.device, guard_modules: bool = False):
-    """``function`` under `torch.compile` with static shapes and the options every compiled step here uses.
-
-    ``guard_modules``: keep dynamo's guards on the modules the function is given. A graph that runs one module
-    (a head) need not check it again on every call (its weights never change once compiled; ~1 ms a step when
-    the whole model was one graph). A graph that every decoder layer shares must: the guards are what tells a
-    layer of another structure (e.g. one whose linears stayed float32 where the others are q4_1) to compile its
-    own graph rather than run one traced for a different layer (measured, SmolLM2 q4_1: 15.0 ms a one-token step
-    guarded, 14.2 without).
-    """
-    # On a CPU, Inductor's C++ wrapper calls the step's kernels from C++ rather than from generated Python
-    # (SmolLM2 q4_1, one-layer graph: one-token step 15.0 -> 14.2 ms, compile time the same).
-    options = {"cpp_wrapper": True} if device.type == "cpu" else {}
-    unguarded = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)  # not in older torch
-    if unguarded is not None and not guard_modules:
-        options["guard_filter_fn"] = unguarded
-    if device.type == "cpu":
-        attention_kernel()  # decided (and built) before tracing: the graph reads the answer (CPU steps only)
-    # One graph per block size and cache size (and, for a head, feature request), for each model structure a
-    # process meets (the layer graph is one function for every target): more than dynamo's default of 8.
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    return torch.compile(function, fullgraph=True, dynamic=False, options=options)
 
 
 def fits(cache: StaticKVCache, n: int) -> bool:
@@ -199,7 +164,7 @@ class CompiledStep:
 
     def __init__(self, runtime):
         self.runtime = runtime
-        self.layer_step = compiled(slot_layer_step, runtime.cache.keys[0].device, guard_modules=True)
+        self.layer_step = Precompiled(slot_layer_step, runtime.cache.keys[0].device, guard_modules=True)
         allocate_whole(runtime.cache)  # the allocation is a shape: one for good
 
     def accepts(self, n: int) -> bool:
@@ -242,7 +207,7 @@ class HeadStep:
 
     def __init__(self, head, compile: bool, device: torch.device):
         self.head = head
-        self.graph = compiled(graph_function(head), device) if compile else None
+        self.graph = Precompiled(graph_function(head), device) if compile else None
 
     def __call__(self, features: torch.Tensor, token_embeds: torch.Tensor, positions: torch.Tensor,
                  cache: StaticKVCache, mask: torch.Tensor | None, own_features: bool = False, top: int = 0):
@@ -267,14 +232,6 @@ def _head_graph(head, features, token_embeds, positions, cache, mask, slots, own
 
 
 _GRAPHS: dict[str, Callable] = {}  # function and module structures -> the function with a code object of its own
-
-
-def module_structure(module: torch.nn.Module) -> str:
-    """A module's structure: its class, its modules', its parameters' and buffers' shapes and dtypes."""
-    return ";".join([type(module).__qualname__]
-                    + [f"{name}:{type(child).__qualname__}" for name, child in module.named_modules()]
-                    + [f"{name}:{tuple(t.shape)}:{t.dtype}"
-                       for name, t in [*module.named_parameters(), *module.named_buffers()]])
 
 
 def graph_function(head: torch.nn.Module, function: Callable | None = None,
