@@ -86,3 +86,26 @@ def test_the_graphs_key_changes_with_any_source_of_the_package(tmp_path, monkeyp
         assert source_key() != before
     finally:
         source_key.cache_clear()
+
+
+def test_inductors_vector_isa_probe_runs_once_per_machine(monkeypatch):
+    """The probe (a build and a subprocess per ISA, ~1.3 s a process) is recorded; a later process that finds the
+    record skips it and gets the same ISAs; a record that does not match what the CPU offers is probed again."""
+    from torch._inductor import config, cpu_vec_isa
+
+    from specula.runtime.precompiled import skip_known_vector_isa_probe
+
+    record = graphs_dir() / "vector-isas.txt"
+    for before in (None, "an ISA this CPU does not offer"):
+        monkeypatch.setattr(config.cpp, "vec_isa_ok", None)
+        record.unlink(missing_ok=True)
+        if before is not None:
+            record.write_text(before)
+        skip_known_vector_isa_probe()  # probes (the record is missing or wrong) and records
+        cpu_vec_isa.valid_vec_isa_list.cache_clear()
+        probed = ",".join(map(str, cpu_vec_isa.valid_vec_isa_list()))
+        assert record.read_text() == probed
+    monkeypatch.setattr(config.cpp, "vec_isa_ok", None)
+    skip_known_vector_isa_probe()  # as a later process: the record stands for the probe
+    assert config.cpp.vec_isa_ok is True
+    assert ",".join(map(str, cpu_vec_isa.valid_vec_isa_list())) == probed

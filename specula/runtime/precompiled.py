@@ -109,6 +109,37 @@ def source_key() -> str:
     return digest.hexdigest()[:24]
 
 
+def skip_known_vector_isa_probe() -> None:
+    """Inductor learns which vector ISAs its C++ compiler can build for by building and loading a probe for each,
+    in a subprocess, once per process: 1.2-1.3 s before a new process's first compiled graph runs (loaded or
+    not; AMD EPYC). The answer is a fact of the machine, so it is kept beside the graphs once probed, and a later
+    process that finds every ISA the CPU offers proved there skips the probe."""
+    try:
+        from torch._inductor import config, cpu_vec_isa
+    except ImportError:
+        return
+    if config.cpp.vec_isa_ok is not None:  # the user's TORCHINDUCTOR_VEC_ISA_OK
+        return
+    record = graphs_dir() / "vector-isas.txt"
+    try:
+        proved = record.read_text()
+    except OSError:
+        proved = None
+    config.cpp.vec_isa_ok = True  # what the CPU offers, unprobed
+    cpu_vec_isa.valid_vec_isa_list.cache_clear()
+    offered = ",".join(map(str, cpu_vec_isa.valid_vec_isa_list()))
+    if proved == offered:
+        return
+    config.cpp.vec_isa_ok = None  # probe
+    cpu_vec_isa.valid_vec_isa_list.cache_clear()
+    if ",".join(map(str, cpu_vec_isa.valid_vec_isa_list())) == offered:
+        try:
+            graphs_dir().mkdir(parents=True, exist_ok=True)
+            record.write_text(offered)
+        except OSError:
+            pass
+
+
 def _cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as info:
@@ -169,6 +200,8 @@ class Precompiled:
         self._refused: set[str] = set()  # structures the ahead-of-time API failed on
         self._lock = threading.Lock()
         self.compiled_graphs = self.loaded_graphs = 0
+        if device.type == "cpu":
+            skip_known_vector_isa_probe()
 
     def __call__(self, *args):
         signature = tuple(_signature(a) for a in args)
