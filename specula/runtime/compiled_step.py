@@ -20,8 +20,8 @@ this project's reference CPU (AMD EPYC, 1 thread, SmolLM2 q4_1, cache of 1,024 s
 A whole-model graph is 1.8 ms a step faster (30 calls into a compiled layer cost ~60 us each in guards and
 wrappers; the table's layer graph ran without its module guards, which `compiled` keeps for 0.8 ms more), but
 its C++ wrapper compiled for 70-90 s per block size, so a tree method meeting five sizes waited eight minutes
-before its first answer. One layer's graph compiles in seconds, and Inductor's cache (kept in Specula's cache
-directory, `inductor_cache`) gives it back in well under a second per size.
+before its first answer. One layer's graph compiles in seconds, and a later process loads it from Specula's cache
+(`specula.runtime.precompiled`: ~20 ms a size, no tracing; each graph checks its guards once per layer, not per call).
 
 Static shapes keep it to a few compilations (the gpt-fast recipe):
 - a block of n tokens is padded to the next size in `BLOCK_BUCKETS` (on a GPU to `GPU_BLOCK_BUCKETS`' one size;
