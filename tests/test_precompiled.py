@@ -109,3 +109,20 @@ def test_inductors_vector_isa_probe_runs_once_per_machine(monkeypatch):
     skip_known_vector_isa_probe()  # as a later process: the record stands for the probe
     assert config.cpp.vec_isa_ok is True
     assert ",".join(map(str, cpu_vec_isa.valid_vec_isa_list())) == probed
+
+
+def test_only_the_most_recent_graph_directories_are_kept(tmp_path, monkeypatch):
+    """Each version of the package saves its graphs in a directory of its own; older ones do not pile up."""
+    import os
+
+    import specula.runtime.precompiled as precompiled
+
+    monkeypatch.setenv("SPECULA_CACHE_DIR", str(tmp_path))
+    (tmp_path / "graphs").mkdir()
+    for age in range(6):
+        old = tmp_path / "graphs" / f"version-{age}"
+        old.mkdir()
+        (old / "graph-0.bin").write_bytes(b"x")
+        os.utime(old, (1_000_000 - age, 1_000_000 - age))
+    precompiled.prune_graph_directories(keep=4)
+    assert sorted(path.name for path in (tmp_path / "graphs").iterdir()) == [f"version-{age}" for age in range(4)]

@@ -26,6 +26,7 @@ import functools
 import hashlib
 import os
 import platform
+import shutil
 import threading
 import weakref
 from collections.abc import Callable
@@ -37,6 +38,9 @@ from specula.kernels.attention import kernel as attention_kernel
 from specula.runtime.model_source import cache_dir
 
 PACKAGE = Path(__file__).resolve().parent.parent
+# Graph directories kept (the most recently written): each version of the package writes its own, ~1 MB a graph
+# (SmolLM2's eagle3 needs 39), and an upgrade or a checkout beside another must not leave them to pile up.
+KEPT_DIRECTORIES = 4
 # Saved candidates per call structure: past this a call structure whose guards keep rejecting what was compiled for
 # it runs under plain torch.compile (dynamo then recompiles as it would have anyway).
 MAX_CANDIDATES = 4
@@ -107,6 +111,14 @@ def source_key() -> str:
         if path.suffix in (".py", ".cpp", ".h") and path.is_file():
             digest.update(str(path.relative_to(PACKAGE)).encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()[:24]
+
+
+def prune_graph_directories(keep: int = KEPT_DIRECTORIES) -> None:
+    """Remove all but the ``keep`` most recently written directories of saved graphs (other package versions')."""
+    directories = sorted((path for path in graphs_dir().parent.iterdir() if path.is_dir()),
+                         key=lambda path: path.stat().st_mtime, reverse=True)
+    for path in directories[keep:]:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def skip_known_vector_isa_probe() -> None:
@@ -255,7 +267,9 @@ class Precompiled:
 
     def _save(self, graph, name: str, index: int) -> None:
         try:
-            graphs_dir().mkdir(parents=True, exist_ok=True)
+            if not graphs_dir().is_dir():
+                graphs_dir().mkdir(parents=True)
+                prune_graph_directories()
             graph.save_compiled_function(str(graphs_dir() / f"{name}-{index}.bin"))  # written whole, then renamed
         except Exception:  # noqa: BLE001 - unwritable cache, or a graph the format cannot hold: kept in memory only
             pass
