@@ -88,7 +88,7 @@ def test_the_graphs_key_changes_with_any_source_of_the_package(tmp_path, monkeyp
         source_key.cache_clear()
 
 
-def test_inductors_vector_isa_probe_runs_once_per_machine(monkeypatch):
+def test_inductors_vector_isa_probe_runs_once_per_machine():
     """The probe (a build and a subprocess per ISA, ~1.3 s a process) is recorded; a later process that finds the
     record skips it and gets the same ISAs; a record that does not match what the CPU offers is probed again."""
     from torch._inductor import config, cpu_vec_isa
@@ -96,19 +96,24 @@ def test_inductors_vector_isa_probe_runs_once_per_machine(monkeypatch):
     from specula.runtime.precompiled import skip_known_vector_isa_probe
 
     record = graphs_dir() / "vector-isas.txt"
-    for before in (None, "an ISA this CPU does not offer"):
-        monkeypatch.setattr(config.cpp, "vec_isa_ok", None)
-        record.unlink(missing_ok=True)
-        if before is not None:
-            record.write_text(before)
-        skip_known_vector_isa_probe()  # probes (the record is missing or wrong) and records
+    chosen = config.cpp.vec_isa_ok
+    try:
+        for before in (None, "an ISA this CPU does not offer"):
+            config.cpp.vec_isa_ok = None
+            record.unlink(missing_ok=True)
+            if before is not None:
+                record.write_text(before)
+            skip_known_vector_isa_probe()  # probes (the record is missing or wrong) and records
+            cpu_vec_isa.valid_vec_isa_list.cache_clear()
+            probed = ",".join(map(str, cpu_vec_isa.valid_vec_isa_list()))
+            assert record.read_text() == probed
+        config.cpp.vec_isa_ok = None
+        skip_known_vector_isa_probe()  # as a later process: the record stands for the probe
+        assert config.cpp.vec_isa_ok is True
+        assert ",".join(map(str, cpu_vec_isa.valid_vec_isa_list())) == probed
+    finally:
+        config.cpp.vec_isa_ok = chosen
         cpu_vec_isa.valid_vec_isa_list.cache_clear()
-        probed = ",".join(map(str, cpu_vec_isa.valid_vec_isa_list()))
-        assert record.read_text() == probed
-    monkeypatch.setattr(config.cpp, "vec_isa_ok", None)
-    skip_known_vector_isa_probe()  # as a later process: the record stands for the probe
-    assert config.cpp.vec_isa_ok is True
-    assert ",".join(map(str, cpu_vec_isa.valid_vec_isa_list())) == probed
 
 
 def test_only_the_most_recent_graph_directories_are_kept(tmp_path, monkeypatch):
@@ -126,3 +131,22 @@ def test_only_the_most_recent_graph_directories_are_kept(tmp_path, monkeypatch):
         os.utime(old, (1_000_000 - age, 1_000_000 - age))
     precompiled.prune_graph_directories(keep=4)
     assert sorted(path.name for path in (tmp_path / "graphs").iterdir()) == [f"version-{age}" for age in range(4)]
+
+
+def test_calls_of_objects_since_gone_are_forgotten(monkeypatch):
+    """A server makes new objects per request (caches, drafter forks): the calls remembered for them go once the
+    objects do, so the table stays bounded."""
+    import specula.runtime.precompiled as precompiled
+
+    monkeypatch.setattr(precompiled, "MAX_CALLS", 8)
+    step = Precompiled(scaled_step, torch.device("cpu"))
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(4))
+    kept = Scaled(2.5)
+    step(kept, x)
+    for _ in range(20):
+        module = Scaled(2.5)
+        assert torch.equal(step(module, x), scaled_step(module, x))
+        del module
+    assert len(step._calls) <= 8
+    assert step.compiled_graphs == 1  # every module of these constants ran the one graph
+    assert torch.equal(step(kept, x), scaled_step(kept, x))

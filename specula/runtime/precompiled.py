@@ -41,6 +41,8 @@ PACKAGE = Path(__file__).resolve().parent.parent
 # Graph directories kept (the most recently written): each version of the package writes its own, ~1 MB a graph
 # (SmolLM2's eagle3 needs 39), and an upgrade or a checkout beside another must not leave them to pile up.
 KEPT_DIRECTORIES = 4
+# Call signatures remembered before those whose objects are gone are forgotten.
+MAX_CALLS = 512
 # Saved candidates per call structure: past this a call structure whose guards keep rejecting what was compiled for
 # it runs under plain torch.compile (dynamo then recompiles as it would have anyway).
 MAX_CANDIDATES = 4
@@ -187,7 +189,14 @@ def _structure(value) -> str:
 
 
 def _objects(args: tuple) -> list:
-    return [a for a in args if not (a is None or isinstance(a, (torch.Tensor, tuple, bool, int, float, str)))]
+    """The objects among ``args`` (and inside its tuples) that `_signature` names by identity."""
+    found = []
+    for value in args:
+        if isinstance(value, tuple):
+            found += _objects(value)
+        elif not (value is None or isinstance(value, (torch.Tensor, bool, int, float, str))):
+            found.append(value)
+    return found
 
 
 def _reference(value) -> Callable[[], object]:
@@ -201,7 +210,8 @@ class Precompiled:
     """``function`` compiled per call shape ahead of time, its graphs saved and reloaded (module docstring).
 
     Called like ``function`` (positional arguments); ``compiled_graphs`` and ``loaded_graphs`` count what this
-    object compiled and what it read from disk."""
+    object compiled and what it read from disk. ``guard_modules`` is `compiled`'s, for the calls that fall back to
+    plain torch.compile; a saved graph always keeps the modules' guards (it checks them once per object)."""
 
     def __init__(self, function: Callable, device: torch.device, guard_modules: bool = False):
         self.function, self.device = function, device
@@ -220,6 +230,9 @@ class Precompiled:
         known = self._calls.get(signature)
         if known is None or any(reference() is None for reference in known[1]):
             with self._lock:
+                if len(self._calls) >= MAX_CALLS:  # calls with objects since gone (e.g. each request's caches)
+                    self._calls = {key: entry for key, entry in self._calls.items()
+                                   if all(reference() is not None for reference in entry[1])}
                 known = (self._graph_for(args), [_reference(o) for o in _objects(args)])
                 self._calls[signature] = known
         return known[0](*args)
@@ -243,7 +256,8 @@ class Precompiled:
             return self.dynamo
         self.compiled_graphs += 1
         graph.disable_guard_check()  # checked here, once per set of objects (`__call__`)
-        if not graph.guard_check(*args):
+        if not graph.guard_check(*args):  # guards that cannot hold even for the call they were built from
+            self._refused.add(name)
             return self.dynamo
         candidates.append(graph)
         self._save(graph, name, len(candidates) - 1)
