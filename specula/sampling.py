@@ -94,15 +94,17 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
 
 def sample_rows(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """One token per row of ``probs`` [B, V] by inverting its cumulative distribution at ``uniforms`` [B] in
-    [0, 1): returns int64 [B]. Exact sampling, as `sample` is, but one cumulative sum for the whole batch instead
-    of `torch.multinomial`'s V exponential draws per row (about 1 ms per row for a 49k vocabulary on a CPU core).
+    [0, 1): returns int64 [B] (``uniforms`` [B, k]: k i.i.d. tokens per row, int64 [B, k]). Exact sampling, but
+    one cumulative sum for the whole batch instead of `torch.multinomial`'s V exponential draws per row (about 1 ms
+    per row for a 49k vocabulary on a CPU core).
     A token of probability zero is never drawn (the search takes the first index whose cumulative mass exceeds
     the point). The sum runs in float64 where the device has it: in float32 a 49k-term running sum rounds each
     token's share by up to ~1e-7, a distortion of the distribution up to ~1e-3 in total variation."""
     exact = torch.float32 if probs.device.type == "mps" else torch.float64  # MPS has no float64
     cdf = probs.to(exact).cumsum(dim=-1)
-    points = (uniforms.to(cdf.device, exact) * cdf[:, -1]).unsqueeze(1)
-    return torch.searchsorted(cdf, points, right=True).squeeze(1).clamp_max(probs.shape[-1] - 1)
+    points = uniforms.to(cdf.device, exact).reshape(probs.shape[0], -1) * cdf[:, -1:]
+    tokens = torch.searchsorted(cdf, points, right=True).clamp_max(probs.shape[-1] - 1)
+    return tokens.view(uniforms.shape)
 
 
 def pick_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:

@@ -35,7 +35,7 @@ from specula.heads.base import DraftHead
 from specula.runtime.compiled_step import HeadStep, warm_up_blocks
 from specula.runtime.target import ForwardOutput, Target
 from specula.runtime.weights import quantize_every_linear
-from specula.sampling import SamplingParams, probabilities
+from specula.sampling import SamplingParams, probabilities, sample_rows
 from specula.tree import DraftTree
 
 # EAGLE-1's static tree per device type and the EAGLE-2/3 budgets (total_tokens / depth / top_k): the papers'
@@ -224,7 +224,9 @@ class EagleDrafter:
         # distribution then widened with zeros to the target's vocabulary for the acceptor.
         logits, ids = self.head.drafted_logits(features)
         q = probabilities(logits, self._params)
-        drawn = torch.multinomial(q, count, replacement=True, generator=self._generator)
+        uniforms = torch.rand(q.shape[0], count, generator=self._generator,
+                              device=self._generator.device if self._generator is not None else "cpu")
+        drawn = sample_rows(q, uniforms)  # i.i.d. draws from each row of q (`specula.sampling`)
         confidences = torch.log(q.gather(-1, drawn))
         if ids is None:
             return drawn, confidences, q
