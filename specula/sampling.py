@@ -88,7 +88,8 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """Draw one token id from ``probs`` [V], by inverting its cumulative distribution at one uniform draw
     (`sample_rows`): `torch.multinomial` drew V exponentials for it, ~1.1 ms for SmolLM2's 49k vocabulary on a CPU
     core, every sampled decode step and every speculative cycle at T > 0 (a fifth of eagle3's non-forward time)."""
-    uniform = torch.rand(1, generator=generator, device=generator.device if generator is not None else "cpu")
+    # On the distribution's device, where the decode's generator lives (as in `accept_speculative`).
+    uniform = torch.rand(1, generator=generator, device=probs.device)
     return int(sample_rows(probs[None], uniform)[0].item())
 
 

@@ -224,8 +224,7 @@ class EagleDrafter:
         # distribution then widened with zeros to the target's vocabulary for the acceptor.
         logits, ids = self.head.drafted_logits(features)
         q = probabilities(logits, self._params)
-        uniforms = torch.rand(q.shape[0], count, generator=self._generator,
-                              device=self._generator.device if self._generator is not None else "cpu")
+        uniforms = torch.rand(q.shape[0], count, generator=self._generator, device=q.device)
         drawn = sample_rows(q, uniforms)  # i.i.d. draws from each row of q (`specula.sampling`)
         confidences = torch.log(q.gather(-1, drawn))
         if ids is None:

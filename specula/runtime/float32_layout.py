@@ -45,14 +45,19 @@ PROBE_REPEATS = 7
 MARGIN = 0.9
 
 
-def machine_key() -> str:
-    """The CPU model and vector ISA, torch version and thread count: what the choice depends on."""
+def cpu_name() -> str:
+    """The CPU's model name (Linux's /proc/cpuinfo), else what `platform` knows of it."""
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as info:
-            cpu = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), cpu)
+            return next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), cpu)
     except OSError:
-        pass
+        return cpu
+
+
+def machine_key() -> str:
+    """The CPU model and vector ISA, torch version and thread count: what the choice depends on."""
+    cpu = cpu_name()
     # A VM may name its CPU only generically ("Intel(R) Xeon(R) Processor"): the vector ISA torch picked helps
     # tell such machines apart.
     isa = torch.backends.cpu.get_cpu_capability()

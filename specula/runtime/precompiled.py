@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from specula.kernels.attention import kernel as attention_kernel
+from specula.runtime.float32_layout import cpu_name
 from specula.runtime.model_source import cache_dir
 
 PACKAGE = Path(__file__).resolve().parent.parent
@@ -107,7 +108,7 @@ def graphs_dir() -> Path:
 @functools.cache
 def source_key() -> str:
     """A hash of torch's version, the CPU, its vector ISA and every source file of the package."""
-    digest = hashlib.sha256(f"{torch.__version__}|{platform.machine()}|{_cpu_name()}|"
+    digest = hashlib.sha256(f"{torch.__version__}|{platform.machine()}|{cpu_name()}|"
                             f"{torch.backends.cpu.get_cpu_capability()}".encode())
     for path in sorted(PACKAGE.rglob("*")):
         if path.suffix in (".py", ".cpp", ".h") and path.is_file():
@@ -152,14 +153,6 @@ def skip_known_vector_isa_probe() -> None:
             record.write_text(offered)
         except OSError:
             pass
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as info:
-            return next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), "")
-    except OSError:
-        return platform.processor()
 
 
 def _signature(value) -> object:
