@@ -173,14 +173,16 @@ def test_killed_cli_run_resumes_with_every_job_once(tmp_path, seeds):
     assert sorted(jobs) == list(range(max(done) + 6))  # each job once: none lost, none twice
 
 
-def test_generated_data_trains_an_eagle3_head(seeds, tmp_path):
+@pytest.mark.parametrize("mixed_precision", ["no", "bf16"])  # float16 features under CPU autocast once crashed
+def test_generated_data_trains_an_eagle3_head(seeds, tmp_path, mixed_precision):
     target = Target.load(STORIES, dtype="float32")  # no chat template: seed prompts continued as text
     request = FeatureRequest(layer_inputs=(1, 2, 3))
     generate_data(target, tmp_path / "data", small_mix(seeds, chat=False), request,
                   GenerationOptions(max_jobs=12, batch_size=6, flush_jobs=6), log=None)
     train, evaluation = generated_sets(tmp_path / "data", request, eval_samples=2, target=target)
     history = train_eagle3(target, train, evaluation, tmp_path / "head",
-                           TrainConfig(epochs=1, batch_size=2, warmup_steps=1, save_every=100),
+                           TrainConfig(epochs=1, batch_size=2, warmup_steps=1, save_every=100,
+                                       mixed_precision=mixed_precision),
                            Eagle3TrainOptions(draft_vocab_size=64, feature_layers=(1, 2, 3), steps=2, tau_prompts=1,
                                               eval_samples=2), log=lambda message: None)
     losses = [record["loss"] for record in history if "loss" in record]

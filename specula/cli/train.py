@@ -90,7 +90,8 @@ def add_data_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grad-clip", type=float, default=0.5)
     p.add_argument("--save-every", type=positive_int, default=200, metavar="STEPS")
     p.add_argument("--mixed-precision", choices=("auto", "no", "bf16", "fp16"), default="auto",
-                   help="autocast for training (auto: bf16 on CUDA, none on CPU)")
+                   help="autocast for training (auto: bf16 on CUDA and on CPUs with native bf16, AVX512-BF16 or "
+                        "AMX; none on other CPUs)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
     add_generation_arguments(p)

@@ -71,7 +71,9 @@ def eagle3_loss(target: Target, steps: int = DEFAULT_STEPS, decay: float = STEP_
         ids, valid, response = batch["input_ids"], batch["valid"], batch["loss_mask"].bool()
         length = ids.shape[1]
         dtype = core.fc.weight.dtype
-        features = core.sample_features(batch).to(dtype)
+        # Stored features (float16 or bfloat16 on disk) are cast before they are concatenated: under CPU autocast
+        # (--mixed-precision bf16) torch.cat refuses float16 inputs.
+        features = core.sample_features({k: batch[k].to(dtype) for k in ("layer_inputs", "hidden") if k in batch})
         with torch.no_grad():
             vocab = core.target_vocab_ids()
             if "dist_probs" in batch:  # generated data: the target's own top-k, captured as it wrote
