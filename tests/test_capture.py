@@ -180,6 +180,8 @@ def test_generated_data_trains_an_eagle3_head(seeds, tmp_path, mixed_precision):
     generate_data(target, tmp_path / "data", small_mix(seeds, chat=False), request,
                   GenerationOptions(max_jobs=12, batch_size=6, flush_jobs=6), log=None)
     train, evaluation = generated_sets(tmp_path / "data", request, eval_samples=2, target=target)
+    # read from the shards' offsets, for length-grouped batches
+    assert train.lengths() == [len(train[i]["input_ids"]) for i in range(len(train))]
     history = train_eagle3(target, train, evaluation, tmp_path / "head",
                            TrainConfig(epochs=1, batch_size=2, warmup_steps=1, save_every=100,
                                        mixed_precision=mixed_precision),

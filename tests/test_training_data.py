@@ -14,6 +14,7 @@ from specula.errors import SpeculaError
 from specula.runtime.target import FeatureRequest, Target
 from specula.training import regeneration
 from specula.training.features import CachedFeatures, cache_features
+from specula.training.recipe import Subset
 from specula.training.records import TrainingRecord, build_samples, read_records
 from specula.training.regeneration import prepare_samples, regenerate
 
@@ -411,3 +412,35 @@ def test_prompt_crop_keeps_the_response_and_the_last_prompt_tokens():
     assert cropped["loss_mask"].tolist() == [False, False, True, True, True]
     assert torch.equal(cropped["hidden"], item["hidden"][4:])
     assert PromptCrop([item], context=10)[0]["input_ids"].tolist() == list(range(9))
+
+
+def padded_share(order: list[int], lengths: list[int], batch: int) -> float:
+    """Real tokens over padded tokens of the whole batches of ``order``."""
+    real = padded = 0
+    for start in range(0, len(order) - batch + 1, batch):
+        rows = [lengths[i] for i in order[start:start + batch]]
+        real, padded = real + sum(rows), padded + max(rows) * batch
+    return real / padded
+
+
+def test_length_grouped_epochs_use_every_sample_once_with_less_padding():
+    from specula.training.loop import epoch_order
+
+    generator = torch.Generator().manual_seed(3)
+    lengths = torch.randint(20, 2000, (1000,), generator=generator).tolist()
+    grouped = [epoch_order(1000, 7, epoch, lengths, 8) for epoch in range(2)]
+    for order in grouped:
+        assert sorted(order) == list(range(1000))  # a permutation: each sample once per epoch
+    assert grouped[0] == epoch_order(1000, 7, 0, lengths, 8)  # seeded: a resumed run sees the same batches
+    batches = [{frozenset(order[i:i + 8]) for i in range(0, 1000, 8)} for order in grouped]
+    assert len(batches[0] & batches[1]) < 10  # other batches every epoch, not one fixed set
+    plain = epoch_order(1000, 7, 0)
+    assert padded_share(plain, lengths, 8) < 0.6 < 0.85 < padded_share(grouped[0], lengths, 8)
+
+
+def test_cached_features_tell_their_lengths_without_reading_features(target, tmp_path):
+    records = [TrainingRecord((("user", p), ("assistant", " and they were happy."))) for p in STORY_PROMPTS[:5]]
+    samples = build_samples(records, target.tokenizer)
+    cache = cache_features(target, samples, tmp_path, REQUEST, shard_size=2, progress=False, log=None)  # 3 shards
+    assert cache.lengths() == [len(sample.input_ids) for sample in samples]
+    assert Subset(cache, [4, 0]).lengths() == [len(samples[4].input_ids), len(samples[0].input_ids)]

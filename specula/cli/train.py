@@ -93,6 +93,9 @@ def add_data_arguments(p: argparse.ArgumentParser) -> None:
                    help="autocast for training (auto: bf16 on CUDA and on CPUs with native bf16, AVX512-BF16 or "
                         "AMX; none on other CPUs)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-group-by-length", dest="group_by_length", action="store_false",
+                   help="batch samples in plain random order instead of with samples of similar length (less "
+                        "padding; the default)")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
     add_generation_arguments(p)
 
@@ -107,7 +110,7 @@ def training_inputs(args: argparse.Namespace, request):
     # Settings and --out are checked before the target loads and regenerates data, which can take minutes.
     config = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
                          grad_clip=args.grad_clip, save_every=args.save_every, seed=args.seed,
-                         mixed_precision=args.mixed_precision)
+                         mixed_precision=args.mixed_precision, group_by_length=args.group_by_length)
     if args.generated is not None:
         prepare_output_dir(args.out, f"train {args.trainer}", args.resume, create=False)
         return (*generated_inputs(args, request), config)

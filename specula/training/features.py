@@ -30,7 +30,7 @@ from specula.files.readers import check_safetensors, open_safetensors
 from specula.runtime.plain_model import transformers_model
 from specula.runtime.target import FeatureRequest, Target
 from specula.training.fingerprints import cache_mismatch, samples_hash, stable_hash, target_fingerprint
-from specula.training.records import Log, TrainingSample, shard_position
+from specula.training.records import Log, TrainingSample, offset_lengths, shard_position
 
 MANIFEST_FILE = "manifest.json"
 FEATURES_VERSION = 2  # 2: shards hold target_top (a cache of version 1 is refused, not misread)
@@ -200,6 +200,10 @@ class CachedFeatures:
     def __len__(self) -> int:
         return int(self.manifest["num_samples"])
 
+    def lengths(self) -> list[int]:
+        """Tokens of every sample, from the shards' offsets (no feature is read)."""
+        return offset_lengths(self._shard(k)[1] for k in range(len(self.shards)))
+
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         k, local = shard_position(self._firsts, len(self), index)
         handle, offsets = self._shard(k)
@@ -235,6 +239,9 @@ class OnlineFeatures:
 
     def __len__(self) -> int:
         return len(self.samples)
+
+    def lengths(self) -> list[int]:
+        return [int(sample.input_ids.shape[0]) for sample in self.samples]
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         sample = self.samples[index]

@@ -37,7 +37,7 @@ from specula.runtime.target import FeatureRequest, Target
 from specula.training.capture import CapturedSample, CaptureEngine
 from specula.training.conversations import Job, JobMaker, PromptMix
 from specula.training.fingerprints import cache_mismatch, stable_hash, target_fingerprint, tokenizer_fingerprint
-from specula.training.records import Log, has_chat_template, shard_position
+from specula.training.records import Log, has_chat_template, offset_lengths, shard_position
 
 RUN_FILE, JOURNAL_FILE, SHARDS = "run.json", "journal.jsonl", "shards"
 DATA_VERSION = 1
@@ -268,6 +268,10 @@ class GeneratedData:
         """Job, kind, conversation and temperature of sample ``index``."""
         k = bisect.bisect_right(self._firsts, index) - 1
         return self._shard(k)[2][index - self._firsts[k]]
+
+    def lengths(self) -> list[int]:
+        """Tokens of every sample, from the shards' offsets (no feature is read)."""
+        return offset_lengths(self._shard(k)[1] for k in range(len(self.shards)))
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         k, local = shard_position(self._firsts, len(self), index)

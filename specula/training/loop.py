@@ -7,8 +7,9 @@ atomically every `save_every` steps and resumes from the last one so that an
 interrupted run ends with the same weights as an uninterrupted one.
 
 Resume is exact because everything random is derived from (seed, epoch, step):
-the sample order of an epoch is a seeded permutation, and the noise of a
-sample is seeded from (seed, step, its place in the global batch).
+the sample order of an epoch is a seeded permutation (with ``group_by_length``,
+batches of samples of similar length, in a seeded order: `epoch_order`), and the
+noise of a sample is seeded from (seed, step, its place in the global batch).
 
 Garbage is refused: settings that are not finite (or a clipping threshold <= 0)
 are rejected when the `TrainConfig` is made, and a step whose loss, gradient or
@@ -47,6 +48,7 @@ class TrainConfig:
     save_every: int = 200
     seed: int = 0
     mixed_precision: str = "auto"  # auto: `automatic_precision`
+    group_by_length: bool = True  # batches of samples of similar length (`epoch_order`)
 
     def __post_init__(self) -> None:
         """Refuse settings that can only train garbage (NaN weights, gradient ascent) before any work starts."""
@@ -58,6 +60,8 @@ class TrainConfig:
         # A clipping threshold <= 0 would reverse (ascend) or zero every gradient.
         _finite_setting("grad_clip", self.grad_clip, "> 0", lambda v: v > 0)
         _finite_setting("weight_decay", self.weight_decay, ">= 0", lambda v: v >= 0)
+        if not isinstance(self.group_by_length, bool):
+            raise SpeculaError(f"group_by_length must be True or False, got {self.group_by_length!r}")
         if self.mixed_precision not in MIXED_PRECISION:
             raise SpeculaError(f"mixed_precision must be one of {', '.join(MIXED_PRECISION)}, "
                                f"got {self.mixed_precision!r}")
@@ -110,8 +114,37 @@ def pad_batch(samples: list[dict], keys: tuple[str, ...]) -> dict[str, torch.Ten
     return batch
 
 
-def epoch_order(size: int, seed: int, epoch: int) -> list[int]:
-    return torch.randperm(size, generator=torch.Generator().manual_seed(seed * 1000 + epoch)).tolist()
+# Samples sorted by length together, within windows of this many batches: enough that a batch's lengths are
+# close, few enough that batches are made of other samples every epoch. On 840 captured SmolLM2 samples (24-2,040
+# tokens, batch 8) the padded tokens were 52 % real in random batches; 87 / 92 / 95 / 98 % with windows of 8 / 16
+# / 32 / 64 batches (with one window for the whole set, every epoch would repeat the same batches).
+LENGTH_WINDOW_BATCHES = 16
+
+
+def epoch_order(size: int, seed: int, epoch: int, lengths: list[int] | None = None,
+                batch_size: int = 1) -> list[int]:
+    """The order of an epoch's ``size`` samples: a seeded permutation, each sample once.
+
+    With ``lengths`` (tokens per sample) the permutation is cut into windows of `LENGTH_WINDOW_BATCHES` batches,
+    each window sorted by length, and the whole batches are shuffled (the last, partial one stays last): a batch
+    pads its samples to its longest, and random batches of generated data were half padding."""
+    generator = torch.Generator().manual_seed(seed * 1000 + epoch)
+    order = torch.randperm(size, generator=generator).tolist()
+    if lengths is None or batch_size <= 1:
+        return order
+    window = batch_size * LENGTH_WINDOW_BATCHES
+    grouped = [i for start in range(0, size, window)
+               for i in sorted(order[start:start + window], key=lambda i: -lengths[i])]
+    whole = size // batch_size
+    batches = torch.randperm(whole, generator=generator).tolist()
+    return [i for b in batches for i in grouped[b * batch_size:(b + 1) * batch_size]] + grouped[whole * batch_size:]
+
+
+def sample_lengths(dataset) -> list[int] | None:
+    """Tokens of each sample where the dataset can tell without reading its features (a ``lengths()`` method),
+    else None."""
+    lengths = getattr(dataset, "lengths", None)
+    return None if lengths is None else lengths()
 
 
 def uniform_noise(batch: dict[str, torch.Tensor], width: int, scale: float) -> torch.Tensor:
@@ -197,6 +230,7 @@ def run_training(head: nn.Module, dataset, loss_fn: Callable, config: TrainConfi
         raise SpeculaError(f"batch size {config.batch_size} must be a multiple of the {world} processes")
     per_process = config.batch_size // world
     steps_per_epoch = len(dataset) // config.batch_size
+    lengths = sample_lengths(dataset) if config.group_by_length else None
     if steps_per_epoch == 0:
         raise SpeculaError(f"{len(dataset)} training samples are fewer than one batch of {config.batch_size}")
     total_steps = steps_per_epoch * config.epochs
@@ -213,7 +247,8 @@ def run_training(head: nn.Module, dataset, loss_fn: Callable, config: TrainConfi
         if state is None:
             log(f"no checkpoint in {checkpointer.path}; starting from scratch")
         else:
-            if state["config"] != asdict(config):
+            # Checkpoints written before length grouping existed trained in plain random order.
+            if {"group_by_length": False, **state["config"]} != asdict(config):
                 raise SpeculaError("the checkpoint was written with other training settings; "
                                    "resume with the same settings or start a new --out")
             try:
@@ -239,7 +274,7 @@ def run_training(head: nn.Module, dataset, loss_fn: Callable, config: TrainConfi
     try:
         while step < total_steps:
             epoch, index = divmod(step, steps_per_epoch)
-            order = epoch_order(len(dataset), config.seed, epoch)
+            order = epoch_order(len(dataset), config.seed, epoch, lengths, config.batch_size)
             first = index * config.batch_size + rank * per_process
             batch = pad_batch([dataset[i] for i in order[first:first + per_process]], keys)
             rows = first - index * config.batch_size

@@ -11,6 +11,7 @@ from specula.errors import SpeculaError
 from specula.runtime.target import FeatureRequest, Target
 from specula.training.features import CachedFeatures, OnlineFeatures, cache_features
 from specula.training.generated import GeneratedData
+from specula.training.loop import sample_lengths
 from specula.training.regeneration import prepare_samples
 
 
@@ -57,6 +58,11 @@ class PromptCrop:
     def __len__(self) -> int:
         return len(self.dataset)
 
+    def lengths(self) -> list[int] | None:
+        """The uncropped lengths (None where the dataset cannot tell): they only order batches (`epoch_order`),
+        and a sample's crop depends on where its response starts, which only reading it tells."""
+        return sample_lengths(self.dataset)
+
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         item = self.dataset[index]
         response = item["loss_mask"].nonzero()
@@ -72,6 +78,10 @@ class Subset:
 
     def __len__(self) -> int:
         return len(self.indices)
+
+    def lengths(self) -> list[int] | None:
+        lengths = sample_lengths(self.dataset)
+        return None if lengths is None else [lengths[i] for i in self.indices]
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         return self.dataset[self.indices[index]]

@@ -218,6 +218,11 @@ def build_samples(records: Sequence[TrainingRecord], tokenizer, max_length: int 
 # ----------------------------------------------------------------------------------- self-distillation
 
 
+def offset_lengths(shard_offsets) -> list[int]:
+    """Sample lengths [n] from each shard's ``offsets`` (sample i spans offsets[i]:offsets[i + 1]), in shard order."""
+    return [b - a for offsets in shard_offsets for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
+
+
 def shard_position(firsts: list[int], total: int, index: int) -> tuple[int, int]:
     """(shard, row within it) of sample ``index`` (negative counts from the end) in ``total`` samples stored in
     shards whose first samples are ``firsts`` (ascending); IndexError outside the samples."""
