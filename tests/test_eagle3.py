@@ -15,7 +15,7 @@ from specula.errors import SpeculaError
 from specula.heads.eagle3_head import Eagle3Head, default_feature_layers, dense_ttt_attention, ttt_attention
 from specula.runtime.plain_model import transformers_model
 from specula.runtime.target import FeatureRequest
-from specula.training.eagle3_trainer import choose_draft_vocab
+from specula.training.eagle3_trainer import choose_draft_vocab, soft_cross_entropy
 
 
 @pytest.mark.parametrize("steps", [1, 2, 4])
@@ -103,6 +103,24 @@ def test_drafted_logits_are_the_draft_vocabulary_rows_of_the_log_probabilities(s
     torch.testing.assert_close(torch.log_softmax(logits, -1), head.token_log_probs(features)[:, ids])
     logits, ids = Eagle3Head.for_target(stories_target.config).drafted_logits(features)
     assert ids is None and logits.shape == (3, 512)
+
+
+def test_the_chunked_training_loss_equals_the_whole_one_with_the_same_gradients(stories_target):
+    """The loss over draft logits is computed a few rows at a time (memory); value, agreement and gradients are
+    those of the whole [N, Vd] computation."""
+    head = Eagle3Head.for_target(stories_target.config, draft_vocab=torch.arange(0, 512, 3),
+                                 feature_layers=list(STORY_LAYERS))
+    outputs = torch.randn(11, 64, requires_grad=True)
+    wanted = torch.softmax(torch.randn(11, head.draft_vocab_size), -1)
+    whole_log_probs = torch.log_softmax(head.draft_logits(outputs).float(), -1)
+    whole = -(wanted * whole_log_probs).sum()
+    whole_grads = torch.autograd.grad(whole, [outputs, head.lm_head.weight])
+    chunked, agree = soft_cross_entropy(head, outputs, wanted, chunk=4)
+    chunked_grads = torch.autograd.grad(chunked, [outputs, head.lm_head.weight])
+    torch.testing.assert_close(chunked, whole)
+    assert agree.tolist() == (whole_log_probs.argmax(-1) == wanted.argmax(-1)).tolist()
+    for got, expected in zip(chunked_grads, whole_grads, strict=True):
+        torch.testing.assert_close(got, expected)
 
 
 def test_full_vocabulary_head_has_no_mapping(stories_target):

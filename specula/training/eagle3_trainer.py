@@ -108,13 +108,40 @@ def eagle3_loss(target: Target, steps: int = DEFAULT_STEPS, decay: float = STEP_
             if not bool(mask.any()):
                 continue
             wanted = target_probs[:, 1 + i:][mask[:, : length - 1 - i]]
-            log_probs = torch.log_softmax(core.draft_logits(out[mask]).float(), dim=-1)
-            loss_sum = loss_sum + decay ** i * -(wanted * log_probs).sum()
-            with torch.no_grad():
-                metrics[f"acc{i}"] = (log_probs.argmax(-1) == wanted.argmax(-1)).float().mean()
+            cross_entropy, agree = soft_cross_entropy(core, out[mask], wanted)
+            loss_sum = loss_sum + decay ** i * cross_entropy
+            metrics[f"acc{i}"] = agree.float().mean()
         return loss_sum, int(step_masks[0].sum()), metrics
 
     return loss_fn
+
+
+# Rows of draft logits alive at once in `soft_cross_entropy`: 2,048 x 16,384 float32 logits are 128 MiB.
+LOSS_CHUNK_ROWS = 2048
+
+
+def soft_cross_entropy(head: Eagle3Head, outputs: torch.Tensor, wanted: torch.Tensor,
+                       chunk: int = LOSS_CHUNK_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Σ -wanted · log softmax(head.draft_logits(outputs)), whether each row's argmax agrees with wanted's [N]).
+
+    outputs [N, H], wanted [N, Vd]. Computed ``chunk`` rows at a time, each chunk's logits recomputed in the
+    backward pass (`torch.utils.checkpoint`), so that [N, Vd] logits, log-probabilities and their gradients never
+    exist whole: a batch of eight long samples has ~12,000 trained rows per step, whose logits and saved
+    intermediates over 5 training-time-test steps took ~14 GB of a 24 GB machine (killed there).
+    """
+    loss = outputs.new_zeros((), dtype=torch.float32)
+    agree = []
+    for start in range(0, outputs.shape[0], chunk):
+        part, top = torch.utils.checkpoint.checkpoint(_chunk_cross_entropy, head, outputs[start:start + chunk],
+                                                      wanted[start:start + chunk], use_reentrant=False)
+        loss = loss + part
+        agree.append(top)
+    return loss, torch.cat(agree)
+
+
+def _chunk_cross_entropy(head: Eagle3Head, outputs: torch.Tensor, wanted: torch.Tensor):
+    log_probs = torch.log_softmax(head.draft_logits(outputs).float(), dim=-1)
+    return -(wanted * log_probs).sum(), log_probs.argmax(-1) == wanted.argmax(-1)
 
 
 @dataclass(frozen=True)
