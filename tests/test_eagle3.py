@@ -121,6 +121,14 @@ def test_the_chunked_training_loss_equals_the_whole_one_with_the_same_gradients(
     assert agree.tolist() == (whole_log_probs.argmax(-1) == wanted.argmax(-1)).tolist()
     for got, expected in zip(chunked_grads, whole_grads, strict=True):
         torch.testing.assert_close(got, expected)
+    # the captured top-k kept sparse (draft ids, probabilities, most probable first) is the same loss as its dense rows
+    probs = torch.softmax(torch.randn(11, 5), -1).sort(-1, descending=True).values
+    ids = torch.randperm(head.draft_vocab_size)[:55].view(11, 5)
+    dense = torch.zeros(11, head.draft_vocab_size).scatter_(-1, ids, probs)
+    (sparse_loss, sparse_agree), (dense_loss, dense_agree) = (soft_cross_entropy(head, outputs, ids, probs, chunk=4),
+                                                              soft_cross_entropy(head, outputs, dense))
+    torch.testing.assert_close(sparse_loss, dense_loss)
+    assert sparse_agree.tolist() == dense_agree.tolist()
 
 
 def test_full_vocabulary_head_has_no_mapping(stories_target):

@@ -29,7 +29,7 @@ from specula.runtime.target import FeatureRequest, Target
 from specula.training.chain import chain_acceptance
 from specula.training.eagle_trainer import eagle2_tau
 from specula.training.loop import TrainConfig, run_training
-from specula.training.target_distribution import draft_target_probs
+from specula.training.target_distribution import draft_target_top
 
 STEP_DECAY = 0.8
 DEFAULT_STEPS = 7
@@ -76,16 +76,16 @@ def eagle3_loss(target: Target, steps: int = DEFAULT_STEPS, decay: float = STEP_
         features = core.sample_features({k: batch[k].to(dtype) for k in ("layer_inputs", "hidden") if k in batch})
         with torch.no_grad():
             vocab = core.target_vocab_ids()
-            if "dist_probs" in batch:  # generated data: the target's own top-k, captured as it wrote
-                target_probs, in_vocab = draft_target_probs(batch["dist_ids"], batch["dist_probs"],
-                                                            vocab if core.t2d is not None else None, lm_vocab)
+            if "dist_probs" in batch:  # generated data: the target's own top-k, captured as it wrote (kept sparse)
+                *target, in_vocab = draft_target_top(batch["dist_ids"], batch["dist_probs"],
+                                                     vocab if core.t2d is not None else None, lm_vocab)
             else:
                 # Only the draft vocabulary's rows of the LM head: the target's full argmax was kept with the
                 # features (target_top), so the 49,152-wide product is never repeated at training time.
                 rows = lm_head.weight[vocab] if core.t2d is not None else lm_head.weight
                 target_logits = (batch["hidden"].to(rows.dtype) @ rows.T).float()  # [B, T, Vd]
                 in_vocab = torch.ones_like(valid) if core.t2d is None else core.t2d[batch["target_top"]]
-                target_probs = torch.softmax(target_logits, dim=-1)  # [B, T, Vd]
+                target = [torch.softmax(target_logits, dim=-1)]  # [B, T, Vd]
             # Position p decides token t_{p+1}: train where that is a response token (or p is the last one).
             decides = response.clone()
             decides[:, :-1] |= response[:, 1:]
@@ -107,8 +107,8 @@ def eagle3_loss(target: Target, steps: int = DEFAULT_STEPS, decay: float = STEP_
         for i, (out, mask) in enumerate(zip(outputs, step_masks, strict=True)):
             if not bool(mask.any()):
                 continue
-            wanted = target_probs[:, 1 + i:][mask[:, : length - 1 - i]]
-            cross_entropy, agree = soft_cross_entropy(core, out[mask], wanted)
+            wanted = [part[:, 1 + i:][mask[:, : length - 1 - i]] for part in target]
+            cross_entropy, agree = soft_cross_entropy(core, out[mask], *wanted)
             loss_sum = loss_sum + decay ** i * cross_entropy
             metrics[f"acc{i}"] = agree.float().mean()
         return loss_sum, int(step_masks[0].sum()), metrics
@@ -120,28 +120,33 @@ def eagle3_loss(target: Target, steps: int = DEFAULT_STEPS, decay: float = STEP_
 LOSS_CHUNK_ROWS = 2048
 
 
-def soft_cross_entropy(head: Eagle3Head, outputs: torch.Tensor, wanted: torch.Tensor,
+def soft_cross_entropy(head: Eagle3Head, outputs: torch.Tensor, *wanted: torch.Tensor,
                        chunk: int = LOSS_CHUNK_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
     """(Σ -wanted · log softmax(head.draft_logits(outputs)), whether each row's argmax agrees with wanted's [N]).
 
-    outputs [N, H], wanted [N, Vd]. Computed ``chunk`` rows at a time, each chunk's logits recomputed in the
-    backward pass (`torch.utils.checkpoint`), so that [N, Vd] logits, log-probabilities and their gradients never
-    exist whole: a batch of eight long samples has ~12,000 trained rows per step, whose logits and saved
-    intermediates over 5 training-time-test steps took ~14 GB of a 24 GB machine (killed there).
+    outputs [N, H]; ``wanted`` the target distribution per row, dense (probabilities [N, Vd]) or sparse (draft ids
+    [N, k], probabilities [N, k], most probable first). Computed ``chunk`` rows at a time, each chunk's logits
+    recomputed in the backward pass (`torch.utils.checkpoint`), so that [N, Vd] logits, log-probabilities and their
+    gradients never exist whole: a batch of eight long samples has ~12,000 trained rows per step, whose logits and
+    saved intermediates over 5 training-time-test steps took ~14 GB of a 24 GB machine (killed there).
     """
     loss = outputs.new_zeros((), dtype=torch.float32)
     agree = []
     for start in range(0, outputs.shape[0], chunk):
-        part, top = torch.utils.checkpoint.checkpoint(_chunk_cross_entropy, head, outputs[start:start + chunk],
-                                                      wanted[start:start + chunk], use_reentrant=False)
+        rows = [part[start:start + chunk] for part in wanted]
+        part, top = torch.utils.checkpoint.checkpoint(_chunk_cross_entropy, head, outputs[start:start + chunk], *rows,
+                                                      use_reentrant=False)
         loss = loss + part
         agree.append(top)
     return loss, torch.cat(agree)
 
 
-def _chunk_cross_entropy(head: Eagle3Head, outputs: torch.Tensor, wanted: torch.Tensor):
+def _chunk_cross_entropy(head: Eagle3Head, outputs: torch.Tensor, *wanted: torch.Tensor):
     log_probs = torch.log_softmax(head.draft_logits(outputs).float(), dim=-1)
-    return -(wanted * log_probs).sum(), log_probs.argmax(-1) == wanted.argmax(-1)
+    if len(wanted) == 1:  # dense
+        return -(wanted[0] * log_probs).sum(), log_probs.argmax(-1) == wanted[0].argmax(-1)
+    ids, probs = wanted
+    return -(probs * log_probs.gather(-1, ids)).sum(), log_probs.argmax(-1) == ids[:, 0]
 
 
 @dataclass(frozen=True)
