@@ -77,15 +77,15 @@ def eagle3_loss(target: Target, steps: int = DEFAULT_STEPS, decay: float = STEP_
         with torch.no_grad():
             vocab = core.target_vocab_ids()
             if "dist_probs" in batch:  # generated data: the target's own top-k, captured as it wrote (kept sparse)
-                *target, in_vocab = draft_target_top(batch["dist_ids"], batch["dist_probs"],
-                                                     vocab if core.t2d is not None else None, lm_vocab)
+                *distribution, in_vocab = draft_target_top(batch["dist_ids"], batch["dist_probs"],
+                                                           vocab if core.t2d is not None else None, lm_vocab)
             else:
                 # Only the draft vocabulary's rows of the LM head: the target's full argmax was kept with the
                 # features (target_top), so the 49,152-wide product is never repeated at training time.
                 rows = lm_head.weight[vocab] if core.t2d is not None else lm_head.weight
                 target_logits = (batch["hidden"].to(rows.dtype) @ rows.T).float()  # [B, T, Vd]
                 in_vocab = torch.ones_like(valid) if core.t2d is None else core.t2d[batch["target_top"]]
-                target = [torch.softmax(target_logits, dim=-1)]  # [B, T, Vd]
+                distribution = [torch.softmax(target_logits, dim=-1)]  # [B, T, Vd]
             # Position p decides token t_{p+1}: train where that is a response token (or p is the last one).
             decides = response.clone()
             decides[:, :-1] |= response[:, 1:]
@@ -107,7 +107,7 @@ def eagle3_loss(target: Target, steps: int = DEFAULT_STEPS, decay: float = STEP_
         for i, (out, mask) in enumerate(zip(outputs, step_masks, strict=True)):
             if not bool(mask.any()):
                 continue
-            wanted = [part[:, 1 + i:][mask[:, : length - 1 - i]] for part in target]
+            wanted = [part[:, 1 + i:][mask[:, : length - 1 - i]] for part in distribution]
             cross_entropy, agree = soft_cross_entropy(core, out[mask], *wanted)
             loss_sum = loss_sum + decay ** i * cross_entropy
             metrics[f"acc{i}"] = agree.float().mean()

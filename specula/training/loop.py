@@ -269,12 +269,14 @@ def run_training(head: nn.Module, dataset, loss_fn: Callable, config: TrainConfi
     progress = tqdm(total=total_steps, initial=step, desc="train", disable=not accelerator.is_main_process,
                     dynamic_ncols=True)
     started, tokens_seen = time.perf_counter(), 0
+    ordered_epoch = None  # the epoch whose sample order `order` holds
     saved = step if step else None  # the step of the checkpoint on disk, if any
     check_gradients = mixed != "fp16"  # fp16's loss scaler skips steps with inf gradients by design
     try:
         while step < total_steps:
             epoch, index = divmod(step, steps_per_epoch)
-            order = epoch_order(len(dataset), config.seed, epoch, lengths, config.batch_size)
+            if epoch != ordered_epoch:  # once per epoch: with lengths the order sorts every window
+                order, ordered_epoch = epoch_order(len(dataset), config.seed, epoch, lengths, config.batch_size), epoch
             first = index * config.batch_size + rank * per_process
             batch = pad_batch([dataset[i] for i in order[first:first + per_process]], keys)
             rows = first - index * config.batch_size
