@@ -1,13 +1,11 @@
 """Specula: lossless speculative decoding for Hugging Face causal language models."""
 
-import os
+# ruff: noqa: E402 (the imports below wait for the OpenMP policy)
+from specula.openmp import wait_passively_unless_chosen
 
-# Before torch loads: torch's OpenMP runtime and the system one Specula's kernels link each keep their threads
-# spinning between parallel regions, so on a machine whose cores are busy they take the cores from each other: a
-# q4_1 step of SmolLM2 on 2 cores with other work running took 980 ms so, 24 ms with passive waiting
-# (docs/defaults.md). A policy the user set is kept.
-if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+# Before torch loads: a q4_1 step of SmolLM2 on 2 cores with other work running took 980 ms with OpenMP's spinning
+# threads, 24 ms with passive waiting (docs/defaults.md). A policy the user set is kept.
+wait_passively_unless_chosen()
 
 from specula.api import Generation, Speculator, StreamChunk
 from specula.errors import SpeculaError

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 from conftest import LLAMA2XS, STORIES
 
+from specula import openmp
 from specula.bench import llama_server
 from specula.bench.config import MethodSpec, method_specs
 from specula.bench.llama_server import LlamaServer, find_llama_server
@@ -82,7 +83,7 @@ class Handler(BaseHTTPRequestHandler):
         if "-md" in argv:
             timings.update(draft_n=len(tokens), draft_n_accepted=len(tokens) // 2)
         self.reply({"content": "", "tokens": tokens, "stop_type": stop, "timings": timings,
-                    "request": request, "argv": argv})
+                    "request": request, "argv": argv, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")})
 
 HTTPServer(("127.0.0.1", port), Handler).serve_forever()
 '''
@@ -307,6 +308,16 @@ def test_server_starts_on_a_free_port_answers_and_is_stopped(fake_binary, starte
         assert reply["tokens"] == [4, 5]
         assert reply["argv"][-4:] == ["--host", "127.0.0.1", "--port", str(server.port)]
     assert len(started) == 1 and started[0].poll() is not None
+
+
+@pytest.mark.parametrize("ours, user, seen", [(True, None, None), (False, "PASSIVE", "PASSIVE"),
+                                               (False, "ACTIVE", "ACTIVE")])
+def test_server_waits_as_its_user_chose_not_as_specula_does(fake_binary, started, monkeypatch, ours, user, seen):
+    # Specula's own passive policy (set when the user chose none) cost llama.cpp 2/3 of its speed.
+    monkeypatch.setattr(openmp, "set_by_specula", ours)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE" if ours else user)
+    with LlamaServer(fake_binary, []) as server:
+        assert server.post("/completion", {"prompt": [1], "n_predict": 1})["omp_wait_policy"] == seen
 
 
 def test_server_is_stopped_when_its_user_is_interrupted(fake_binary, started):

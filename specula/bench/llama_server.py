@@ -26,6 +26,7 @@ import urllib.request
 from pathlib import Path
 
 from specula.errors import SpeculaError
+from specula.openmp import foreign_environment
 
 ENV_VARS = ("SPECULA_LLAMA_SERVER", "LLAMA_SERVER")
 HOST = "127.0.0.1"
@@ -136,6 +137,7 @@ class LlamaServer:
             with open(self.log_path, "ab") as log:
                 self.process = subprocess.Popen(
                     command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                    env=foreign_environment(),  # llama.cpp waits as its user would have it, not as we do
                     preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
             if self._wait_ready():
                 return
