@@ -199,9 +199,14 @@ def test_smollm2_generated_data_trains_an_eagle3_head_from_the_cli(smollm2, tmp_
         [sys.executable, "-m", "specula", "train", "eagle3", "--generated", str(data), "--gen-tokens", "60",
          "--gen-max-jobs", "6", "--gen-batch-size", "6", "--gen-answer-tokens", "16", "--gen-weights", weights,
          "--out", str(out), "--eval-samples", "1", "--epochs", "1", "--batch-size", "2", "--warmup-steps", "1",
-         "--ttt-steps", "2", "--draft-vocab-size", "256"], cwd=REPO, capture_output=True, text=True)
+         "--draft-vocab-size", "256", "--device", "cpu"], cwd=REPO, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
     assert (out / "model.safetensors").is_file()
+    # No --ttt-steps: on a CPU the head trains the one draft step its default budget takes.
+    assert "training-time test: 1 step(s), the draft depth of cpu's default budget" in result.stderr
+    history = json.loads((out / "training_history.json").read_text())
+    trained = [record for record in history if "loss" in record]
+    assert trained and all("acc0" in record and "acc1" not in record for record in trained)
     components = json.loads((data / "run.json").read_text())["components"]
     assert components["target"]["format"] == weights
     # --gen-answer-tokens caps every kind of job, the longer kinds in proportion (1.6x, 1.2x)

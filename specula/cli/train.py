@@ -173,8 +173,9 @@ def add_train_eagle3_parser(trainers: argparse._SubParsersAction) -> None:
                         "--init the head's own)")
     p.add_argument("--feature-layers", type=_layer_list, metavar="I,J,K",
                    help="target layers whose inputs are fused (default: 2,N//2,N-3; N means the final hidden)")
-    p.add_argument("--ttt-steps", type=positive_int, default=DEFAULT_STEPS, metavar="K",
-                   help="simulated draft steps per sample (default: %(default)s)")
+    p.add_argument("--ttt-steps", type=positive_int, metavar="K",
+                   help="simulated draft steps per sample (default: the draft depth of the device's default "
+                        f"budget, at most {DEFAULT_STEPS}: 1 on a CPU)")
     p.add_argument("--init", type=Path, metavar="HEAD_DIR",
                    help="fine-tune this EAGLE-3 head (keeping its draft vocabulary and fused layers) instead of "
                         "training a fresh one, e.g. on sampled answers for a head trained on greedy ones")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from specula.drafters.eagle import check_head_fits
+from specula.drafters.eagle import EAGLE3_BUDGETS, check_head_fits
 from specula.errors import SpeculaError
 from specula.heads.eagle3_head import Eagle3Head, default_feature_layers, fused_feature_request
 from specula.heads.formats import load_head
@@ -32,8 +32,20 @@ from specula.training.loop import TrainConfig, run_training
 from specula.training.target_distribution import draft_target_top
 
 STEP_DECAY = 0.8
-DEFAULT_STEPS = 7
+DEFAULT_STEPS = 7  # the most training-time-test steps a head trains by default (the paper's GPU drafts go deeper)
 DRAFT_VOCAB_SIZE = 2048
+
+
+def default_steps(device: torch.device | str) -> int:
+    """Training-time-test steps when none are asked for: as many draft steps as the head takes per cycle in the
+    device's default budget (`EAGLE3_BUDGETS`: one on a CPU), at most `DEFAULT_STEPS`.
+
+    A step past the drafts the head will take costs a head pass and trains nothing the budget uses: on the 2-core
+    CPU a one-step head trained 6-7x faster than a five-step one (1,449 against 190-245 tokens/s) and drafted its
+    first token better after the same epoch (held-out 0-alpha 0.204 against 0.177; docs/defaults.md).
+    """
+    budget = EAGLE3_BUDGETS.get(torch.device(device).type, EAGLE3_BUDGETS["cuda"])
+    return min(int(budget["depth"]), DEFAULT_STEPS)
 
 
 def choose_draft_vocab(dataset, vocab_size: int, draft_vocab_size: int) -> tuple[torch.Tensor, float]:
@@ -154,7 +166,7 @@ def _chunk_cross_entropy(head: Eagle3Head, outputs: torch.Tensor, *wanted: torch
 class Eagle3TrainOptions:
     draft_vocab_size: int | None = None  # None: DRAFT_VOCAB_SIZE, or the init head's own
     feature_layers: tuple[int, ...] | None = None  # None: 2, N//2, N-3, or the init head's own
-    steps: int = DEFAULT_STEPS
+    steps: int | None = None  # None: default_steps of the target's device
     eval_samples: int = 16
     tau_prompts: int = 4
     init: Path | None = None  # start from this head (its draft vocabulary and fused layers) instead of a fresh one
@@ -203,6 +215,10 @@ def train_eagle3(target: Target, train_set, eval_set, out: Path, config: TrainCo
                                      list(options.feature_layers) if options.feature_layers else None)
         head = head.float().to(target.device)
     log(f"draft vocabulary: {draft_vocab_size} of {vocab_size} tokens, covering {coverage:.2%} of response tokens")
+    steps = options.steps or default_steps(target.device)
+    if options.steps is None:
+        log(f"training-time test: {steps} step(s), the draft depth of {target.device.type}'s default budget "
+            "(--ttt-steps to change)")
 
     def evaluate(model: Eagle3Head, epoch: int) -> dict:
         subset = [eval_set[i] for i in range(min(len(eval_set), options.eval_samples))]
@@ -216,6 +232,6 @@ def train_eagle3(target: Target, train_set, eval_set, out: Path, config: TrainCo
     keys = ("input_ids", "loss_mask", "target_top") + (("dist_ids", "dist_probs") if generated else ("hidden",))
     keys += ("hidden",) if generated and head.feature_request().final_hidden else ()
     keys += ("layer_inputs",) if head.feature_request().layer_inputs else ()
-    return run_training(head, train_set, eagle3_loss(target, options.steps), config, out,
+    return run_training(head, train_set, eagle3_loss(target, steps), config, out,
                         save_head=lambda model, directory: model.save_pretrained(directory), keys=keys,
                         resume=resume, evaluate=evaluate if len(eval_set) else None, log=log, kind="train eagle3")
