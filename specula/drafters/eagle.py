@@ -51,6 +51,12 @@ DRAFT_SLOTS = 256
 EAGLE3_BUDGETS = {"cuda": {"total_tokens": 60, "depth": 8, "top_k": 10}, "cpu": CPU_DYNAMIC}
 
 
+def budget_device(device: torch.device) -> str:
+    """The key of the default budgets and static trees a target on ``device`` drafts with: the papers' GPU settings
+    on CUDA, the CPU's everywhere else."""
+    return "cuda" if device.type == "cuda" else "cpu"
+
+
 def check_head_fits(head: DraftHead, hidden_size: int, vocab_size: int) -> None:
     """An EAGLE or EAGLE-3 head drafts only for a target of its hidden size and vocabulary."""
     if head.hidden_size != hidden_size:
@@ -83,7 +89,7 @@ class EagleDrafter:
         self.features = head.feature_request()
         self.embed = target.model.get_input_embeddings()
         self.dynamic = dynamic
-        device = "cuda" if target.device.type == "cuda" else "cpu"
+        device = budget_device(target.device)
         budget = (budgets or EAGLE2_BUDGETS)[device]
         self.total_tokens = total_tokens or budget["total_tokens"]
         self.depth = depth or budget["depth"]

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from specula.drafters.eagle import EAGLE3_BUDGETS, check_head_fits
+from specula.drafters.eagle import EAGLE3_BUDGETS, budget_device, check_head_fits
 from specula.errors import SpeculaError
 from specula.heads.eagle3_head import Eagle3Head, default_feature_layers, fused_feature_request
 from specula.heads.formats import load_head
@@ -44,8 +44,7 @@ def default_steps(device: torch.device | str) -> int:
     CPU a one-step head trained 6-7x faster than a five-step one (1,449 against 190-245 tokens/s) and drafted its
     first token better after the same epoch (held-out 0-alpha 0.204 against 0.177; docs/defaults.md).
     """
-    budget = EAGLE3_BUDGETS.get(torch.device(device).type, EAGLE3_BUDGETS["cuda"])
-    return min(int(budget["depth"]), DEFAULT_STEPS)
+    return min(int(EAGLE3_BUDGETS[budget_device(torch.device(device))]["depth"]), DEFAULT_STEPS)
 
 
 def choose_draft_vocab(dataset, vocab_size: int, draft_vocab_size: int) -> tuple[torch.Tensor, float]:
