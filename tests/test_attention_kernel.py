@@ -65,6 +65,36 @@ def test_each_row_gets_the_same_bits_whatever_block_it_is_attended_in():
         assert torch.equal(alone[:, :, 0], block[:, :, row])
 
 
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_tree_rows_bits_do_not_depend_on_its_block_nor_on_the_threads(threads):
+    """The kernel attends the slots every row of a block sees (its common prefix) tile by tile for all of a kv
+    head's queries at once, and the rest row by row; where that split falls must not change a row's bits."""
+    torch.manual_seed(1)
+    prefix, parents = 700, [-1, 0, 0, 1, 1, 2, 5, 3]
+    rows = len(parents)
+    q = torch.randn(1, 9, rows, 64)
+    keys, values = torch.randn(1, 3, 800, 64) * 2, torch.randn(1, 3, 800, 64)
+    mask = torch.zeros(1, 1, rows, 800, dtype=torch.bool)
+    mask[..., :prefix] = True
+    for row in range(rows):
+        node = row
+        while node >= 0:
+            mask[0, 0, row, prefix + node] = True
+            node = parents[node]
+    op, before = attention.load(), torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = [op(q[:, :, r:r + 1].contiguous(), keys, values, mask[..., r:r + 1, :], torch.tensor(prefix + rows),
+                    0.125) for r in range(rows)]
+        torch.set_num_threads(threads)
+        block = op(q, keys, values, mask, torch.tensor(prefix + rows), 0.125)
+    finally:
+        torch.set_num_threads(before)
+    for row in range(rows):
+        assert torch.equal(alone[row][:, :, 0], block[:, :, row])
+
+
 def test_the_variable_sends_attention_through_sdpa():
     """``SPECULA_ATTENTION_KERNEL=0`` (to compare the two): the process attends through SDPA."""
     code = "from specula.kernels import attention; print(attention.kernel())"
