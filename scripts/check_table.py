@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 
 from specula.certify.check import check
-from specula.cli.common import default_threads
 from specula.files.outputs import atomic_write_bytes
 from specula.methods import DEFAULT_TARGET
+from specula.openmp import default_threads
 
 METHODS = ["vanilla", "pld", "suffix", "sps", "eagle", "eagle2", "eagle3", "medusa", "ada", "ada-tree"]
 SPS_DRAFT_WEIGHTS = {"q4_1": "int4", "float32": "q4_1", "bfloat16": "q4_1"}

@@ -21,6 +21,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from specula.api import Speculator
 from specula.drafters.ada import build_ada_drafter
 from specula.drafters.base import Drafter
@@ -34,6 +36,7 @@ from specula.drafters.vanilla import VanillaDrafter
 from specula.errors import SpeculaError
 from specula.heads.eagle3_head import Eagle3Head
 from specula.heads.eagle_head import EagleHead
+from specula.openmp import default_threads
 from specula.options import (
     CHOICES,
     DEPTH,
@@ -362,7 +365,21 @@ def build_speculator(target: str | Path | Target | None = DEFAULT_TARGET, method
     return Speculator(target, method, drafter, acceptance.make())
 
 
-load = build_speculator  # `specula.load(...)`: the name users know
+def load(*args: Any, threads: int | None | str = "auto", **kwargs: Any) -> Speculator:
+    """`specula.load(...)`, the name users know: `build_speculator` (same arguments) for a program of the user's,
+    which also sets torch's CPU threads for the process, as the command line does for its own: ``threads``
+    "auto" is `specula.openmp.default_threads` (one thread on a machine of at most 2 CPUs, where torch's default of
+    two decoded SmolLM2 q4_1 at 40 tokens/s and one at 59, with Specula's passive OpenMP waiting:
+    docs/defaults.md, "Threads"; elsewhere torch's setting is kept), an int that many, None leaves torch's setting.
+    """
+    if threads == "auto":
+        threads = default_threads()
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise SpeculaError(f"threads must be a whole number >= 1, 'auto' or None, got {threads!r}")
+    speculator = build_speculator(*args, **kwargs)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    return speculator
 
 
 __all__ = ["METHODS", "AcceptanceOptions", "Method", "OptionSpec", "all_options", "build_speculator",

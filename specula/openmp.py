@@ -1,5 +1,6 @@
 """OpenMP's waiting policy: passive in Specula's own process unless the user chose one (docs/defaults.md,
-"OpenMP waiting"); programs Specula starts that are not Specula get the environment the user gave.
+"OpenMP waiting"); programs Specula starts that are not Specula get the environment the user gave. And the
+thread count that goes with passive waiting (`default_threads`).
 
 Imported by ``specula/__init__.py`` before torch loads (this module must not import it).
 """
@@ -36,3 +37,16 @@ def foreign_environment() -> dict[str, str]:
     if set_by_specula and environment.get("OMP_WAIT_POLICY") == "PASSIVE":
         del environment["OMP_WAIT_POLICY"]
     return environment
+
+
+# Machines with at most this many CPUs decode on one torch thread unless told otherwise: a step of a small model is
+# many small operations, and with passive waiting a second thread is woken for each of them (docs/defaults.md,
+# "Threads").
+ONE_THREAD_UP_TO_CPUS = 2
+
+
+def default_threads(cpus: int | None = None) -> int | None:
+    """The torch threads Specula decodes on unless told otherwise: 1 on a machine of at most `ONE_THREAD_UP_TO_CPUS`
+    CPUs (``cpus``, default `os.cpu_count`), else None (torch's own choice)."""
+    cpus = os.cpu_count() if cpus is None else cpus
+    return 1 if cpus is not None and cpus <= ONE_THREAD_UP_TO_CPUS else None

@@ -336,10 +336,34 @@ def test_generate_takes_the_hardware_profile_unless_told_not_to(capfd, tmp_path,
 
 def test_decoding_commands_default_to_one_thread_on_a_machine_of_two_cpus():
     """On 2 CPUs one torch thread decoded faster than two, idle or busy (docs/defaults.md, "Threads")."""
-    from specula.cli.common import default_threads
+    from specula.openmp import default_threads
 
     assert default_threads(1) == default_threads(2) == 1
     assert default_threads(16) is None  # torch's own choice
+
+
+@pytest.mark.parametrize("threads", ["auto", 3, None])
+def test_load_sets_the_process_threads_as_the_command_line_does(threads, monkeypatch):
+    """`specula.load` is for a program of the user's: "auto" gives it the command line's thread rule, an int that
+    many threads, None leaves torch's setting."""
+    from specula.openmp import default_threads
+
+    before = torch.get_num_threads()
+    untouched = 5 if before != 5 else 6
+    torch.set_num_threads(untouched)
+    try:
+        specula.load(STORIES, method="vanilla", dtype="float32", threads=threads)
+        expected = {"auto": default_threads() or untouched, 3: 3, None: untouched}[threads]
+        assert torch.get_num_threads() == expected
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads", [0, -1, 1.5, True, "two"])
+def test_load_refuses_a_thread_count_that_is_not_one_or_more_before_loading(threads, monkeypatch):
+    monkeypatch.setattr(specula.methods, "build_speculator", lambda *a, **k: pytest.fail("loaded anyway"))
+    with pytest.raises(specula.SpeculaError, match="threads must be"):
+        specula.load(STORIES, threads=threads)
 
 
 def test_generate_runs_on_the_threads_asked_and_gives_the_setting_back(monkeypatch):

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
-import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +15,7 @@ import torch
 
 from specula.errors import SpeculaError
 from specula.methods import METHODS, all_options, methods_taking
+from specula.openmp import default_threads
 from specula.options import ACCEPTANCE, TYPICAL_ALPHA, TYPICAL_THRESHOLD
 from specula.runtime.weights import WEIGHT_FORMATS
 
@@ -170,18 +170,6 @@ def method_options(args: argparse.Namespace) -> dict:
     names = [spec.name for spec in all_options()] + [TYPICAL_THRESHOLD.name, TYPICAL_ALPHA.name]
     given = {name: getattr(args, f"opt_{name}") for name in names if getattr(args, f"opt_{name}", None) is not None}
     return {**given, "acceptance": args.acceptance}
-
-
-# Machines with at most this many CPUs decode on one torch thread unless --threads says otherwise: a step of a small
-# model is many small operations, and a second thread woke for each of them (docs/defaults.md, "Threads").
-ONE_THREAD_UP_TO_CPUS = 2
-
-
-def default_threads(cpus: int | None = None) -> int | None:
-    """The torch threads a decoding command runs on unless --threads is given: 1 on a machine of at most
-    `ONE_THREAD_UP_TO_CPUS` CPUs (``cpus``, default `os.cpu_count`), else None (torch's own choice)."""
-    cpus = os.cpu_count() if cpus is None else cpus
-    return 1 if cpus is not None and cpus <= ONE_THREAD_UP_TO_CPUS else None
 
 
 @contextlib.contextmanager
