@@ -340,6 +340,9 @@ def test_decoding_commands_default_to_one_thread_on_a_machine_of_two_cpus():
 
     assert default_threads(1) == default_threads(2) == 1
     assert default_threads(16) is None  # torch's own choice
+    # serve too: one thread served faster at 1, 2 and 16 clients
+    for command in (["generate", "--prompt", "hi"], ["chat"], ["check", "--method", "pld"], ["serve"]):
+        assert build_parser().parse_args(command).threads == default_threads(), command
 
 
 @pytest.mark.parametrize("threads", ["auto", 3, None])

@@ -186,11 +186,8 @@ def command_threads(args: argparse.Namespace) -> Iterator[None]:
             torch.set_num_threads(previous)
 
 
-def add_model_arguments(p: argparse.ArgumentParser, default_target: Path, method_required: bool = False,
-                        one_stream: bool = True) -> None:
-    """The target, the method and its draft, and how to load them: shared by generate, chat, check and serve.
-    ``one_stream``: the command decodes one sequence at a time, where one thread was measured faster on 2 CPUs
-    (`default_threads`); serve's packed batches were not measured, so it keeps torch's setting."""
+def add_model_arguments(p: argparse.ArgumentParser, default_target: Path, method_required: bool = False) -> None:
+    """The target, the method and its draft, and how to load them: shared by generate, chat, check and serve."""
     p.add_argument("--target", type=Path, default=default_target, metavar="MODEL", help=TARGET_HELP)
     if method_required:
         p.add_argument("--method", choices=tuple(METHODS), required=True, help="decoding method")
@@ -204,11 +201,8 @@ def add_model_arguments(p: argparse.ArgumentParser, default_target: Path, method
     p.add_argument("--device", type=device_name, default="cpu", help="torch device (default: %(default)s)")
     p.add_argument("--no-profile", action="store_true",
                    help="ignore the hardware profile `specula calibrate` wrote for this target")
-    if one_stream:
-        p.add_argument("--threads", type=positive_int, default=default_threads(), metavar="N",
-                       help="torch threads (default: 1 on a machine of at most 2 CPUs, where one decoded faster "
-                            "than two, else torch's setting)")
-    else:
-        p.add_argument("--threads", type=positive_int, metavar="N", help="torch threads (default: torch's setting)")
+    p.add_argument("--threads", type=positive_int, default=default_threads(), metavar="N",
+                   help="torch threads (default: 1 on a machine of at most 2 CPUs, where one decoded and served "
+                        "faster than two, else torch's setting)")
     add_weights_argument(p)
     add_compile_argument(p)

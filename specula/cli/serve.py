@@ -37,7 +37,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                                           "/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics. "
                                           "Up to --max-batch requests decode together (one target forward per "
                                           "cycle for all of them); the rest wait in a queue.")
-    add_model_arguments(p, DEFAULT_TARGET, one_stream=False)
+    add_model_arguments(p, DEFAULT_TARGET)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default: %(default)s, this machine only)")
     p.add_argument("--port", type=port_number, default=8000, help="(default: %(default)s)")
