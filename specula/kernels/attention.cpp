@@ -18,7 +18,8 @@
 // at a time for all the queries of one kv head (its query heads times the rows), so that a tile is read into the
 // L1 cache once and not by every query: SmolLM2's shapes (9 heads, 3 kv heads), 10 rows over 1,000 slots,
 // 553 -> 430 us a call, one row 62 -> 53 us (one thread, AMD EPYC). Pairing queries to share each loaded key
-// and value in registers as well was slower (592 us).
+// and value in registers as well was slower (592 us). The packed op does the same per sequence: 16 sequences of
+// one row after 400 slots, 500 -> 369-381 us a call.
 // It is not bit-equal to SDPA (a different order of sums and another exp); the eager and the compiled step
 // both call it, so a target attends the same way in both.
 //
@@ -184,26 +185,78 @@ inline void normalise(const float* acc, float norm, int64_t d, float* out) {
   for (int64_t c = 0; c < d; c += 8) _mm256_storeu_ps(out + c, _mm256_mul_ps(_mm256_loadu_ps(acc + c), scale));
 }
 
-// One query row over its ``count`` visible keys: scores into p[0, count), the softmax in place, then the weighted
-// sum of the visible values into out (acc: d floats of scratch). Every step runs over the visible keys in their
-// order, in chunks fixed by their rank, so the result depends on nothing but q and those keys and values.
-template <class Slots>
-void attend_row(const float* q, const float* keys, const float* values, int64_t key_stride, int64_t value_stride,
-                Slots slots, int64_t count, int64_t d, float scale, float* p, float* acc, float* out) {
-  if (count == 0) {  // a row that sees nothing (never asked for): zeros rather than NaN
-    std::fill(out, out + d, 0.0f);
-    return;
-  }
-  score_keys(q, keys, key_stride, slots, 0, count, d, scale, p);
-  const float norm = softmax_in_place(p, count);
-  std::fill(acc, acc + d, 0.0f);
-  accumulate_values(p, values, value_stride, slots, 0, count, d, acc);
-  normalise(acc, norm, d, out);
-}
-
-// Keys (and values) per tile of the shared prefix: 16 KB of float32 keys, which stay in the L1 cache while every
+// Keys (and values) per tile of the shared slots: 16 KB of float32 keys, which stay in the L1 cache while every
 // query of the task reads them, instead of each query streaming the whole prefix from L2 or further.
 inline int64_t tile_keys(int64_t d) { return std::max<int64_t>(8, (4096 / d) / 8 * 8); }
+
+// One query of a kv head: its row, where its output goes, how many keys it sees, and which (``listed``: the slot of
+// each visible key by rank; null: slots 0 .. count - 1).
+struct Query {
+  const float* q;
+  float* out;
+  int64_t count;
+  const int32_t* listed;
+};
+
+// Queries of one kv head that all see slots [0, shared) and then each its own further visible keys (ranks
+// [shared, count)): the shared slots a tile at a time for all of them, the rest query by query. A query's result
+// is the same whichever queries share its call: softmax(scale q k^T) v over its visible keys in rank order, the
+// scores in chunks of 8 by rank, the weighted sum in rank order (`p`, `acc`: scratch the caller keeps).
+void attend_queries(const std::vector<Query>& queries, int64_t shared, const float* k_head, const float* v_head,
+                    int64_t key_stride, int64_t value_stride, int64_t d, float scale, std::vector<float>& p,
+                    std::vector<float>& acc) {
+  const int64_t count_q = static_cast<int64_t>(queries.size()), tile = tile_keys(d);
+  int64_t longest = 0;
+  for (const Query& query : queries) longest = std::max(longest, query.count);
+  p.resize(static_cast<size_t>(count_q * longest));
+  acc.assign(static_cast<size_t>(count_q * d), 0.0f);
+  for (int64_t j0 = 0; j0 < shared; j0 += tile) {
+    const int64_t j1 = std::min(shared, j0 + tile);
+    for (int64_t a = 0; a < count_q; ++a)
+      score_keys(queries[a].q, k_head, key_stride, AllSlots{}, j0, j1, d, scale, p.data() + a * longest);
+  }
+  std::vector<float> norms(static_cast<size_t>(count_q), 0.0f);
+  for (int64_t a = 0; a < count_q; ++a) {
+    const Query& query = queries[a];
+    float* scores = p.data() + a * longest;
+    if (query.count > shared) {
+      if (query.listed)
+        score_keys(query.q, k_head, key_stride, ListedSlots{query.listed}, shared, query.count, d, scale, scores);
+      else
+        score_keys(query.q, k_head, key_stride, AllSlots{}, shared, query.count, d, scale, scores);
+    }
+    if (query.count > 0) norms[a] = softmax_in_place(scores, query.count);
+  }
+  for (int64_t j0 = 0; j0 < shared; j0 += tile) {
+    const int64_t j1 = std::min(shared, j0 + tile);
+    for (int64_t a = 0; a < count_q; ++a)
+      accumulate_values(p.data() + a * longest, v_head, value_stride, AllSlots{}, j0, j1, d, acc.data() + a * d);
+  }
+  for (int64_t a = 0; a < count_q; ++a) {
+    const Query& query = queries[a];
+    if (query.count == 0) {  // a row that sees nothing (never asked for): zeros rather than NaN
+      std::fill(query.out, query.out + d, 0.0f);
+      continue;
+    }
+    const float* weights = p.data() + a * longest;
+    if (query.count > shared) {
+      if (query.listed)
+        accumulate_values(weights, v_head, value_stride, ListedSlots{query.listed}, shared, query.count, d,
+                          acc.data() + a * d);
+      else
+        accumulate_values(weights, v_head, value_stride, AllSlots{}, shared, query.count, d, acc.data() + a * d);
+    }
+    normalise(acc.data() + a * d, norms[a], d, query.out);
+  }
+}
+
+// How many tasks each kv head's ``queries`` are cut into: one on one thread, else enough for ``tasks_wanted`` in
+// all. Which task a query falls in changes nothing in its arithmetic.
+inline int64_t chunks_per_head(int64_t queries, int64_t heads_in_all) {
+  const int64_t threads = at::get_num_threads();
+  if (threads <= 1) return 1;
+  return std::max<int64_t>(1, std::min(queries, (4 * threads + heads_in_all - 1) / heads_in_all));
+}
 
 at::Tensor cached_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                             const c10::optional<at::Tensor>& mask, const at::Tensor& end_tensor, double scale) {
@@ -249,59 +302,23 @@ at::Tensor cached_attention(const at::Tensor& q, const at::Tensor& keys, const a
   float* out_data = out.data_ptr<float>();
   const int64_t group = heads / kv_heads, queries = group * n;
   const float scale_f = static_cast<float>(scale);
-  // A task is some of one kv head's queries (query head, row): one task per kv head on one thread, else enough
-  // tasks for the threads. Which task a query falls in changes nothing in its arithmetic.
-  const int64_t threads = at::get_num_threads();
-  const int64_t chunks = threads <= 1 ? 1 : std::min(queries, (4 * threads + kv_heads - 1) / kv_heads);
-  const int64_t per_task = (queries + chunks - 1) / chunks;
+  const int64_t chunks = chunks_per_head(queries, kv_heads), per_task = (queries + chunks - 1) / chunks;
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, per_task * end * d));
-  const int64_t tile = tile_keys(d);
   at::parallel_for(0, kv_heads * chunks, grain, [&](int64_t t0, int64_t t1) {
     std::vector<float> p, acc;
+    std::vector<Query> task;
     for (int64_t t = t0; t < t1; ++t) {
+      // Queries first .. last - 1 of kv head kv, in (query head, row) order.
       const int64_t kv = t / chunks, first = (t % chunks) * per_task, last = std::min(queries, first + per_task);
-      if (first >= last) continue;
-      const int64_t count_q = last - first;
-      p.resize(static_cast<size_t>(count_q * end));
-      acc.assign(static_cast<size_t>(count_q * d), 0.0f);
-      const float* k_head = k_data + kv * keys.stride(1);
-      const float* v_head = v_data + kv * values.stride(1);
-      // Query a of the task: query head kv * group + (first + a) / n, row (first + a) % n.
-      auto q_row = [&](int64_t a) {
-        const int64_t h = kv * group + (first + a) / n, i = (first + a) % n;
-        return q_data + h * q.stride(1) + i * q.stride(2);
-      };
-      auto row_of = [&](int64_t a) { return (first + a) % n; };
-      auto out_row = [&](int64_t a) { return out_data + ((kv * group + (first + a) / n) * n + row_of(a)) * d; };
-      for (int64_t j0 = 0; j0 < shared; j0 += tile) {
-        const int64_t j1 = std::min(shared, j0 + tile);
-        for (int64_t a = 0; a < count_q; ++a)
-          score_keys(q_row(a), k_head, keys.stride(2), AllSlots{}, j0, j1, d, scale_f, p.data() + a * end);
+      task.clear();
+      for (int64_t a = first; a < last; ++a) {
+        const int64_t h = kv * group + a / n, i = a % n;
+        task.push_back({q_data + h * q.stride(1) + i * q.stride(2), out_data + (h * n + i) * d, counts[i],
+                        listed.empty() ? nullptr : listed.data() + i * end});
       }
-      std::vector<float> norms(static_cast<size_t>(count_q));
-      for (int64_t a = 0; a < count_q; ++a) {
-        const int64_t count = counts[row_of(a)];
-        if (count > shared)
-          score_keys(q_row(a), k_head, keys.stride(2), ListedSlots{listed.data() + row_of(a) * end}, shared, count,
-                     d, scale_f, p.data() + a * end);
-        norms[a] = count == 0 ? 0.0f : softmax_in_place(p.data() + a * end, count);
-      }
-      for (int64_t j0 = 0; j0 < shared; j0 += tile) {
-        const int64_t j1 = std::min(shared, j0 + tile);
-        for (int64_t a = 0; a < count_q; ++a)
-          accumulate_values(p.data() + a * end, v_head, values.stride(2), AllSlots{}, j0, j1, d, acc.data() + a * d);
-      }
-      for (int64_t a = 0; a < count_q; ++a) {
-        const int64_t count = counts[row_of(a)];
-        if (count == 0) {  // a row that sees nothing (never asked for): zeros rather than NaN
-          std::fill(out_row(a), out_row(a) + d, 0.0f);
-          continue;
-        }
-        if (count > shared)
-          accumulate_values(p.data() + a * end, v_head, values.stride(2), ListedSlots{listed.data() + row_of(a) * end},
-                            shared, count, d, acc.data() + a * d);
-        normalise(acc.data() + a * d, norms[a], d, out_row(a));
-      }
+      if (!task.empty())
+        attend_queries(task, shared, k_data + kv * keys.stride(1), v_data + kv * values.stride(1), keys.stride(2),
+                       values.stride(2), d, scale_f, p, acc);
     }
   });
   return out;
@@ -369,21 +386,32 @@ at::Tensor packed_attention(const at::Tensor& q, const at::Tensor& k, const at::
   float* out_data = out.data_ptr<float>();
   const int64_t group = heads / kv_heads;
   const float scale_f = static_cast<float>(scale);
+  // Tasks: a sequence's queries of one kv head (its rows times the kv head's query heads), cut as in
+  // cached_attention; each sequence's rows all see its prefix and their own first block entry.
+  int64_t most_queries = 1;
+  for (int64_t s = 0; s < sequences; ++s) most_queries = std::max(most_queries, group * (ends[s] - starts[s]));
+  const int64_t chunks = chunks_per_head(most_queries, kv_heads * sequences);
+  const int64_t per_task = (most_queries + chunks - 1) / chunks;
   const int64_t mean_visible = std::max<int64_t>(1, visible_total / rows);
-  const int64_t grain = std::max<int64_t>(1, 65536 / (mean_visible * d));
-  // Tasks in (head, row) order, as in cached_attention.
-  at::parallel_for(0, heads * rows, grain, [&](int64_t t0, int64_t t1) {
-    std::vector<float> p, acc(static_cast<size_t>(d));
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, per_task * mean_visible * d));
+  at::parallel_for(0, sequences * kv_heads * chunks, grain, [&](int64_t t0, int64_t t1) {
+    std::vector<float> p, acc;
+    std::vector<Query> task;
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t h = t / rows, r = t % rows, s = sequence_of[r];
-      if (s < 0) continue;
-      const int64_t count = prefixes[s] + (r - starts[s]) + 1, kv = h / group;
-      if (static_cast<int64_t>(p.size()) < count) p.resize(static_cast<size_t>(count));
+      const int64_t s = t / (kv_heads * chunks), kv = (t / chunks) % kv_heads, n = ends[s] - starts[s];
+      const int64_t first = (t % chunks) * per_task, last = std::min(group * n, first + per_task);
+      task.clear();
+      for (int64_t a = first; a < last; ++a) {
+        const int64_t h = kv * group + a / n, r = starts[s] + a % n;
+        task.push_back({q_data + h * q.stride(1) + r * q.stride(2), out_data + (h * rows + r) * d,
+                        prefixes[s] + a % n + 1, nullptr});
+      }
+      if (task.empty()) continue;
       const at::Tensor& keys = key_caches[s];
       const at::Tensor& values = value_caches[s];
-      attend_row(q_data + h * q.stride(1) + r * q.stride(2), keys.data_ptr<float>() + kv * keys.stride(1),
-                 values.data_ptr<float>() + kv * values.stride(1), keys.stride(2), values.stride(2), AllSlots{},
-                 count, d, scale_f, p.data(), acc.data(), out_data + (h * rows + r) * d);
+      attend_queries(task, prefixes[s] + 1, keys.data_ptr<float>() + kv * keys.stride(1),
+                     values.data_ptr<float>() + kv * values.stride(1), keys.stride(2), values.stride(2), d, scale_f, p,
+                     acc);
     }
   });
   return out;
