@@ -638,6 +638,22 @@ def test_weights_auto_means_the_format_calibration_chose(tmp_path, monkeypatch):
     assert specula.load(STORIES, method="pld").target.weights == "float32"  # measured on another device type
 
 
+def test_bench_and_calibrate_run_on_the_threads_generate_decodes_on_unless_told(tmp_path):
+    """Their rows and profiles describe what `generate` does: its thread rule unless --threads or a config says."""
+    from specula.openmp import default_threads
+
+    def threads(*extra):
+        args = ["bench", "--target", str(STORIES), "--methods", "vanilla", "--out", str(tmp_path / "out"), *extra]
+        return bench_settings(build_parser().parse_args(args)).threads
+
+    config = tmp_path / "bench.toml"
+    config.write_text("[bench]\nthreads = 2\n")
+    assert threads() == default_threads()
+    assert threads("--config", str(config)) == 2
+    assert threads("--config", str(config), "--threads", "3") == 3
+    assert build_parser().parse_args(["calibrate", "--method", "pld"]).threads == default_threads()
+
+
 def test_calibrate_on_stories260k(tmp_path, story_questions, capsys):
     out = tmp_path / "profile.json"
     code = run_command("calibrate", "--target", STORIES, "--method", "sps", "--draft", LLAMA2XS,

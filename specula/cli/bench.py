@@ -32,6 +32,7 @@ from specula.cli.common import (
 from specula.errors import SpeculaError
 from specula.files.outputs import check_replaceable_file, prepare_output_dir
 from specula.methods import DEFAULT_TARGET, METHODS, resolve_draft
+from specula.openmp import default_threads
 from specula.runtime.auto_weights import resolve_auto_weights
 from specula.runtime.loading import check_model_dir
 from specula.runtime.model_source import model_name
@@ -141,7 +142,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     add_weights_argument(p, default=None)  # every row (transformers baselines too) runs on the same target weights
     add_compile_argument(p, default=None)
     p.add_argument("--threads", type=positive_int, metavar="N",
-                   help="torch threads, fixed for the run (default: torch's current setting)")
+                   help="torch threads, fixed for the run, llama.cpp rows too (default: as generate decodes, 1 on a "
+                        "machine of at most 2 CPUs, else torch's setting)")
     p.add_argument("--warmup-tokens", type=positive_int, metavar="N", help="warm-up length per method (default 16)")
     p.add_argument("--llama-server", metavar="PATH",
                    help="llama.cpp's llama-server binary for the llamacpp rows (default: $SPECULA_LLAMA_SERVER, "
@@ -231,7 +233,7 @@ def bench_settings(args: argparse.Namespace):
         target=target, methods=specs, data=data, questions=questions, out=Path(out), temperatures=temperatures,
         max_new_tokens=_int(pick("max_new_tokens", 128), "max_new_tokens"), seed=seed,
         dtype=dtype, weights=weights, compile=_flag(pick("compile", False), "compile"),
-        device=device, threads=_int(pick("threads"), "threads"),
+        device=device, threads=_int(pick("threads", default_threads()), "threads"),
         top_p=top_p, top_k=top_k, max_prompt_tokens=_int(pick("max_prompt_tokens"), "max_prompt_tokens"),
         warmup_tokens=_int(pick("warmup_tokens", 16), "warmup_tokens"), categories=categories, limit=limit,
         profile=profile, progress=not args.no_progress, llama_server=llama_server,
@@ -326,7 +328,9 @@ def add_calibrate_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--min-agreement", type=unit_fraction, default=0.8, metavar="F",
                    help="with --weights auto, choose only formats whose greedy top-1 tokens agree with the float32 "
                         "model's on at least this fraction of positions (default: %(default)s)")
-    p.add_argument("--threads", type=positive_int, metavar="N", help="torch threads (default: torch's setting)")
+    p.add_argument("--threads", type=positive_int, default=default_threads(), metavar="N",
+                   help="torch threads (default: as generate decodes, whose profile this is: 1 on a machine of at "
+                        "most 2 CPUs, else torch's setting)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, metavar="FILE",
                    help="profile file to write (default: ~/.cache/specula/runtime/profile-<target name>.json)")
