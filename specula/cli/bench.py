@@ -54,11 +54,7 @@ def _split(value) -> list[str]:
 
 
 def _floats(value, name: str) -> list[float]:
-    items = value if isinstance(value, list) else _split(value)
-    try:
-        return [float(v) for v in items]
-    except (TypeError, ValueError) as err:
-        raise SpeculaError(f"{name} must be numbers, got {value!r}") from err
+    return [_float(v, name) for v in (value if isinstance(value, list) else _split(value))]
 
 
 def _float(value, name: str) -> float:
@@ -142,8 +138,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     add_weights_argument(p, default=None)  # every row (transformers baselines too) runs on the same target weights
     add_compile_argument(p, default=None)
     p.add_argument("--threads", type=positive_int, metavar="N",
-                   help="torch threads, fixed for the run, llama.cpp rows too (default: as generate decodes, 1 on a "
-                        "machine of at most 2 CPUs, else torch's setting)")
+                   help="torch threads for the run, llama.cpp rows too (default: generate's, docs/defaults.md)")
     p.add_argument("--warmup-tokens", type=positive_int, metavar="N", help="warm-up length per method (default 16)")
     p.add_argument("--llama-server", metavar="PATH",
                    help="llama.cpp's llama-server binary for the llamacpp rows (default: $SPECULA_LLAMA_SERVER, "
@@ -329,8 +324,7 @@ def add_calibrate_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="with --weights auto, choose only formats whose greedy top-1 tokens agree with the float32 "
                         "model's on at least this fraction of positions (default: %(default)s)")
     p.add_argument("--threads", type=positive_int, default=default_threads(), metavar="N",
-                   help="torch threads (default: as generate decodes, whose profile this is: 1 on a machine of at "
-                        "most 2 CPUs, else torch's setting)")
+                   help="torch threads (default: generate's, whose profile this is: docs/defaults.md)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, metavar="FILE",
                    help="profile file to write (default: ~/.cache/specula/runtime/profile-<target name>.json)")
