@@ -66,7 +66,8 @@ def add_generation_arguments(p: argparse.ArgumentParser, standalone: bool = Fals
         p.add_argument("--device", type=device_name, default="cpu")
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--threads", type=positive_int, metavar="N",
-                       help="torch threads (on a CPU shared with other work, 1 can be faster)")
+                       help="torch threads (default: torch's setting, every core: batched generation uses them; on "
+                            "a CPU shared with other work, 1 can be faster)")
 
 
 def add_train_data_parser(trainers: argparse._SubParsersAction) -> None:
