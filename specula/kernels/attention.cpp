@@ -198,24 +198,32 @@ struct Query {
   const int32_t* listed;
 };
 
+// What `attend_queries` computes in, kept by a thread across its tasks so that a task allocates nothing: each
+// query's scores (then softmax weights), its running weighted sum of values, and its softmax's 1 / total.
+struct Scratch {
+  std::vector<float> scores, sums, norms;
+};
+
 // Queries of one kv head that all see slots [0, shared) and then each its own further visible keys (ranks
 // [shared, count)): the shared slots a tile at a time for all of them, the rest query by query. A query's result
 // is the same whichever queries share its call: softmax(scale q k^T) v over its visible keys in rank order, the
-// scores in chunks of 8 by rank, the weighted sum in rank order (`p`, `acc`: scratch the caller keeps).
+// scores in chunks of 8 by rank, the weighted sum in rank order.
 void attend_queries(const std::vector<Query>& queries, int64_t shared, const float* k_head, const float* v_head,
-                    int64_t key_stride, int64_t value_stride, int64_t d, float scale, std::vector<float>& p,
-                    std::vector<float>& acc) {
+                    int64_t key_stride, int64_t value_stride, int64_t d, float scale, Scratch& scratch) {
   const int64_t count_q = static_cast<int64_t>(queries.size()), tile = tile_keys(d);
   int64_t longest = 0;
   for (const Query& query : queries) longest = std::max(longest, query.count);
+  std::vector<float>& p = scratch.scores;
+  std::vector<float>& acc = scratch.sums;
+  std::vector<float>& norms = scratch.norms;
   p.resize(static_cast<size_t>(count_q * longest));
   acc.assign(static_cast<size_t>(count_q * d), 0.0f);
+  norms.assign(static_cast<size_t>(count_q), 0.0f);
   for (int64_t j0 = 0; j0 < shared; j0 += tile) {
     const int64_t j1 = std::min(shared, j0 + tile);
     for (int64_t a = 0; a < count_q; ++a)
       score_keys(queries[a].q, k_head, key_stride, AllSlots{}, j0, j1, d, scale, p.data() + a * longest);
   }
-  std::vector<float> norms(static_cast<size_t>(count_q), 0.0f);
   for (int64_t a = 0; a < count_q; ++a) {
     const Query& query = queries[a];
     float* scores = p.data() + a * longest;
@@ -250,8 +258,9 @@ void attend_queries(const std::vector<Query>& queries, int64_t shared, const flo
   }
 }
 
-// How many tasks each kv head's ``queries`` are cut into: one on one thread, else enough for ``tasks_wanted`` in
-// all. Which task a query falls in changes nothing in its arithmetic.
+// How many tasks each kv head's ``queries`` are cut into, among ``heads_in_all`` (kv heads, times sequences when
+// packed): one on one thread, else about four per thread in all. Which task a query falls in changes nothing in
+// its arithmetic.
 inline int64_t chunks_per_head(int64_t queries, int64_t heads_in_all) {
   const int64_t threads = at::get_num_threads();
   if (threads <= 1) return 1;
@@ -305,7 +314,7 @@ at::Tensor cached_attention(const at::Tensor& q, const at::Tensor& keys, const a
   const int64_t chunks = chunks_per_head(queries, kv_heads), per_task = (queries + chunks - 1) / chunks;
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, per_task * end * d));
   at::parallel_for(0, kv_heads * chunks, grain, [&](int64_t t0, int64_t t1) {
-    std::vector<float> p, acc;
+    Scratch scratch;
     std::vector<Query> task;
     for (int64_t t = t0; t < t1; ++t) {
       // Queries first .. last - 1 of kv head kv, in (query head, row) order.
@@ -318,7 +327,7 @@ at::Tensor cached_attention(const at::Tensor& q, const at::Tensor& keys, const a
       }
       if (!task.empty())
         attend_queries(task, shared, k_data + kv * keys.stride(1), v_data + kv * values.stride(1), keys.stride(2),
-                       values.stride(2), d, scale_f, p, acc);
+                       values.stride(2), d, scale_f, scratch);
     }
   });
   return out;
@@ -395,7 +404,7 @@ at::Tensor packed_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const int64_t mean_visible = std::max<int64_t>(1, visible_total / rows);
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, per_task * mean_visible * d));
   at::parallel_for(0, sequences * kv_heads * chunks, grain, [&](int64_t t0, int64_t t1) {
-    std::vector<float> p, acc;
+    Scratch scratch;
     std::vector<Query> task;
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t s = t / (kv_heads * chunks), kv = (t / chunks) % kv_heads, n = ends[s] - starts[s];
@@ -410,8 +419,8 @@ at::Tensor packed_attention(const at::Tensor& q, const at::Tensor& k, const at::
       const at::Tensor& keys = key_caches[s];
       const at::Tensor& values = value_caches[s];
       attend_queries(task, prefixes[s] + 1, keys.data_ptr<float>() + kv * keys.stride(1),
-                     values.data_ptr<float>() + kv * values.stride(1), keys.stride(2), values.stride(2), d, scale_f, p,
-                     acc);
+                     values.data_ptr<float>() + kv * values.stride(1), keys.stride(2), values.stride(2), d, scale_f,
+                     scratch);
     }
   });
   return out;
