@@ -9,8 +9,9 @@ depend on how many rows a call holds. This script measures that on the tiny stor
    after a 37-token prompt, per weight format, eager;
 2. the packed step of the server: each of 5 sequences of different lengths gets the logits of its block alone;
 3. `specula check` at T=0 (token equality with vanilla, every divergence classified near-tie or real) for every
-   method in every format, then the compiled float32 step's row invariance, then at T=1 (the distribution test
-   with its power control) every method in float32, then T=0 again with the compiled float32 step.
+   method in every format, then the compiled step's row invariance per format in ``--compiled-formats``, then at
+   T=1 (the distribution test with its power control) every method in float32, then T=0 again with the compiled
+   step in each of ``--compiled-formats``.
 
 Cells run in that order until ``--budget`` seconds have passed; the rest are written as not run (never as passed).
 Results go to ``--out`` (JSON, rewritten after every cell) and one line per cell to stdout.
@@ -116,6 +117,8 @@ def main() -> int:
     parser.add_argument("--budget", type=float, default=420.0, help="seconds; later cells are recorded as not run")
     parser.add_argument("--n", type=int, default=4, help="greedy prompts per check")
     parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--compiled-formats", type=lambda text: text.split(","), default=["float32"],
+                        metavar="F,...", help="formats of the compiled cells, in order (default: float32)")
     parser.add_argument("--only", nargs="+", metavar="TEXT",
                         help="run only the cells whose '<kind> <name>' contains one of these (a second run's share)")
     args = parser.parse_args()
@@ -132,7 +135,7 @@ def main() -> int:
     for fmt in FORMATS:
         cell("invariance", f"{fmt} eager", lambda fmt=fmt: {
             "mismatched": invariance(Target.load(stories, dtype="float32", device=device, weights=fmt))})
-    for fmt in ("float32", "q4_1"):
+    for fmt in ("float32", "bfloat16", "int8", "q4_1"):
         cell("packed", f"{fmt} eager", lambda fmt=fmt: {
             "differing_sequences": packed_equal(Target.load(stories, dtype="float32", device=device, weights=fmt))})
 
@@ -156,16 +159,20 @@ def main() -> int:
         for method in DRAFTS:
             cell("check T=0", f"{method} {fmt}", lambda m=method, f=fmt: run_check(m, f, 0.0))
 
-    def compiled_invariance() -> dict:
-        target = Target.load(stories, dtype="float32", device=device, weights="float32")
+    def compiled_invariance(fmt: str) -> dict:
+        target = Target.load(stories, dtype="float32", device=device, weights=fmt)
         target.compile()
-        return {"mismatched": invariance(target, COMPILED_CHAINS)}
+        # a CPU compiles one graph per block size; elsewhere every block runs at one size (GPU_BLOCK_BUCKETS)
+        return {"mismatched": invariance(target, COMPILED_CHAINS if device.type == "cpu" else CHAINS)}
 
-    cell("invariance", "float32 compiled", compiled_invariance)
+    for fmt in args.compiled_formats:
+        cell("invariance", f"{fmt} compiled", lambda fmt=fmt: compiled_invariance(fmt))
     for method in SAMPLED_ORDER:
         cell("check T=1", f"{method} float32", lambda m=method: run_check(m, "float32", 1.0))
-    for method in DRAFTS:
-        cell("check T=0", f"{method} float32 compiled", lambda m=method: run_check(m, "float32", 0.0, compile=True))
+    for fmt in args.compiled_formats:
+        for method in DRAFTS:
+            cell("check T=0", f"{method} {fmt} compiled",
+                 lambda m=method, f=fmt: run_check(m, f, 0.0, compile=True))
     ran = [c for c in results["cells"] if c["status"] == "ran"]
     print(f"{len(ran)} of {len(results['cells'])} cells ran, {time.perf_counter() - started:.0f} s")
     return 0
