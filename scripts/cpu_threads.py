@@ -1,17 +1,17 @@
 """How many torch threads should a step of SmolLM2 run on? Step times per thread count on this machine's CPU.
 
-`specula.openmp.default_threads` decodes on one thread on machines of at most two CPUs (measured there: a second
-thread, woken passively for each of a step's many small operations, costs more than it gives) and leaves larger
-machines to torch's own choice (one thread per core). This script measures that choice where there are more cores:
-a model of SmolLM2-135M's shapes (30 layers, hidden 576, 9 query and 3 key-value heads of 64, MLP 1,536, tied
-vocabulary of 49,152) with random weights, loaded in ``--weights`` (default q4_1, eager), after a prompt of
-``--prompt-length`` tokens; for each thread count in ``--threads`` the time of a one-token step (vanilla decoding's)
-and of a ``--block``-token verify step (a speculative method's), in two rounds (ascending, then descending thread
-counts). Weights do not change a step's time, so random ones stand in for the GGUF (too large to copy to a lent
-machine). OpenMP's waiting policy is the process's: Specula sets PASSIVE unless ``OMP_WAIT_POLICY`` is given, so
-run it once as is and once with ``GOMP_SPINCOUNT=300000`` (libgomp's own default) for threads that spin a while:
+`specula.openmp` decodes on one passively waiting thread on machines of at most two CPUs (measured there: a second
+thread, woken passively for each of a step's many small operations, costs more than it gives, and spinning threads
+take the cores from each other as soon as anything else runs) and leaves larger machines to OpenMP's own waiting and
+torch's thread count. This script measures both choices where there are more cores: a model of SmolLM2-135M's
+shapes (30 layers, hidden 576, 9 query and 3 key-value heads of 64, MLP 1,536, tied vocabulary of 49,152) with
+random weights, loaded in ``--weights`` (default q4_1, eager), after a prompt of ``--prompt-length`` tokens; for
+each thread count in ``--threads`` the median time of a one-token step (vanilla decoding's) and of a
+``--block``-token verify step (a speculative method's), in ``--rounds`` rounds (ascending, then descending thread
+counts, and so on). Weights do not change a step's time, so random ones stand in for the GGUF (too large to copy to
+a lent machine). The waiting policy is the process's, so run it once per policy:
 
-    python scripts/cpu_threads.py --model runs/smollm2-shaped --out runs/threads-passive.json
+    OMP_WAIT_POLICY=PASSIVE python scripts/cpu_threads.py --model runs/smollm2-shaped --out runs/threads-passive.json
     GOMP_SPINCOUNT=300000 python scripts/cpu_threads.py --model runs/smollm2-shaped --out runs/threads-spin.json
 
 The model folder is made (random weights, ``--tokenizer-from``'s tokenizer) when it does not exist.
@@ -73,6 +73,7 @@ def main() -> int:
     p.add_argument("--prompt-length", type=int, default=256)
     p.add_argument("--block", type=int, default=10, help="tokens of the verify step timed beside the one-token step")
     p.add_argument("--repeats", type=int, default=40)
+    p.add_argument("--rounds", type=int, default=2, help="passes over the thread counts, alternately up and down")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
     if not args.model.exists():
@@ -85,8 +86,8 @@ def main() -> int:
     one, block = torch.tensor([7]), torch.randint(3, 500, (args.block,), generator=generator)
     counts = [int(n) for n in args.threads.split(",") if int(n) <= (os.cpu_count() or 1)]
     rows = []
-    for round_ in (1, 2):
-        for n in counts if round_ == 1 else counts[::-1]:
+    for round_ in range(1, args.rounds + 1):
+        for n in counts if round_ % 2 else counts[::-1]:
             torch.set_num_threads(n)
             step_ms(target, one, 5)  # wake the pool at this size
             rows.append({"round": round_, "threads": n, "one_token_ms": step_ms(target, one, args.repeats),
