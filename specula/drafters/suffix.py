@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from specula.drafters.answer_corpus import AnswerCorpus
 from specula.drafters.suffix_index import NO_CANDIDATES, Candidates, SuffixCorpus, SuffixTrie, best_continuations
 from specula.errors import SpeculaError
 from specula.runtime.target import FeatureRequest, ForwardOutput
@@ -34,6 +35,9 @@ from specula.sampling import SamplingParams
 from specula.tree import DraftTree
 
 SHARED_SCOPE = "shared"
+# Draft nodes a cycle takes from the answer corpus. Replayed on MT-bench's greedy q4_1 answers with SmolLM2's
+# corpus (docs/suffix.md, "The answer corpus"), 2 and 4 gave the same tau and 8 cost more in verification.
+ANSWER_NODES = 2
 
 
 class SuffixDrafter:
@@ -46,13 +50,17 @@ class SuffixDrafter:
     tree:         False drafts chains only.
     corpus:       the process-wide corpus object (shared by forks), or None for none.
     scope:        the corpus scope this drafter reads and writes (None: none).
+    answers:      a fixed corpus of the target's own answers (`AnswerCorpus`), or None.
+    answer_nodes: draft nodes per cycle at most when the draft comes from ``answers``: its phrases are common
+                  ones, right less often than an earlier phrase of the same conversation.
     """
 
     name = "suffix"
     features = FeatureRequest()
 
     def __init__(self, num_tokens: int = 8, max_match: int = 8, spec_factor: float = 4.0, min_prob: float = 0.1,
-                 tree: bool = True, corpus: SuffixCorpus | None = None, scope: str | None = None):
+                 tree: bool = True, corpus: SuffixCorpus | None = None, scope: str | None = None,
+                 answers: AnswerCorpus | None = None, answer_nodes: int = ANSWER_NODES):
         if num_tokens < 1 or max_match < 1:
             raise SpeculaError("suffix needs num_tokens >= 1 and max_match >= 1")
         if spec_factor <= 0 or not 0 <= min_prob <= 1:
@@ -62,6 +70,7 @@ class SuffixDrafter:
         self.num_tokens, self.max_match, self.spec_factor = num_tokens, max_match, spec_factor
         self.min_prob, self.tree = min_prob, tree
         self.corpus, self.scope = corpus, scope
+        self.answers, self.answer_nodes = answers, answer_nodes
         self.depth = max_match + num_tokens
         self._reset()
 
@@ -99,6 +108,11 @@ class SuffixDrafter:
             other = self.corpus.propose(self.scope, tail, self.max_match, **draft)
             if other.score > best.score:
                 best = other
+        if self.answers is not None:
+            other = self.answers.propose(self._text[-self.max_match:], self.max_match,
+                                         **{**draft, "budget": min(self.num_tokens, self.answer_nodes)})
+            if other.score > best.score:
+                best = other
         return _tree(root, best, context.device)
 
     def observe(self, accepted: torch.Tensor, target_out: ForwardOutput) -> None:
@@ -129,7 +143,7 @@ class SuffixDrafter:
 
     def _copy(self, scope: str | None) -> SuffixDrafter:
         return SuffixDrafter(self.num_tokens, self.max_match, self.spec_factor, self.min_prob, self.tree,
-                             self.corpus, scope)
+                             self.corpus, scope, self.answers, self.answer_nodes)
 
 
 def _tree(root: int, candidates: Candidates, device: torch.device) -> DraftTree:
@@ -140,12 +154,14 @@ def _tree(root: int, candidates: Candidates, device: torch.device) -> DraftTree:
 
 
 def build_suffix_drafter(num_tokens: int = 8, max_match: int = 8, spec_factor: float = 4.0, min_prob: float = 0.1,
-                         tree: bool = True, corpus: bool = False, corpus_nodes: int = 1 << 18) -> SuffixDrafter:
+                         tree: bool = True, corpus: bool = False, corpus_nodes: int = 1 << 18,
+                         answers: AnswerCorpus | None = None) -> SuffixDrafter:
     """The drafter `specula.load(method="suffix")` uses: a corpus object of ``corpus_nodes`` nodes (about
-    `NODE_BYTES` each) always exists for `for_client`; ``corpus`` True shares it across every generation."""
+    `NODE_BYTES` each) always exists for `for_client`; ``corpus`` True shares it across every generation;
+    ``answers`` the target's own answers (read-only, shared by every fork: never the clients' text)."""
     depth = max_match + num_tokens
     if corpus_nodes < depth:
         raise SpeculaError(f"suffix corpus_nodes must be >= max_match + num_tokens ({depth}), got {corpus_nodes}")
     store = SuffixCorpus(corpus_nodes, depth)
     return SuffixDrafter(num_tokens, max_match, spec_factor, min_prob, tree, store,
-                         SHARED_SCOPE if corpus else None)
+                         SHARED_SCOPE if corpus else None, answers)

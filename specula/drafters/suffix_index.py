@@ -58,6 +58,11 @@ class _Node:
             return ()
         return (kids,) if type(kids) is _Node else kids.values()
 
+    def ranked_children(self) -> tuple[list[_Node], int]:
+        """(the continuations, most frequent first and then the most recent; their total count)."""
+        kids = list(self.children())
+        return sorted(kids, key=lambda kid: (kid.count, kid.last), reverse=True), sum(kid.count for kid in kids)
+
     def attach(self, node: _Node) -> None:
         kids = self.kids
         if kids is None:
@@ -187,9 +192,7 @@ def best_continuations(matched: list[_Node], budget: int, max_depth: int, min_pr
     def push(node: _Node, index: int, prob: float, depth: int) -> None:
         if depth >= max_depth:
             return
-        kids = node.children()
-        total = sum(kid.count for kid in kids)
-        ranked = sorted(kids, key=lambda kid: (kid.count, kid.last), reverse=True)
+        ranked, total = node.ranked_children()
         for kid in ranked if tree else ranked[:1]:
             ratio = kid.count / total
             if prob * ratio < min_prob:

@@ -17,6 +17,7 @@ transformers tokenizer's answers on probe texts and conversations, and keeps the
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 from dataclasses import dataclass
@@ -256,3 +257,12 @@ def same_answers(plain: PlainTokenizer, full) -> bool:
                                                  tokenize=tokenize, return_dict=False) != expected:
                         return False
     return True
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """What identifies a tokenizer's ids and chat template (20 hex digits): data made with another is refused."""
+    digest = hashlib.sha256()
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    digest.update(backend.to_str().encode() if backend is not None else str(len(tokenizer)).encode())
+    digest.update(str(getattr(tokenizer, "chat_template", None)).encode())
+    return digest.hexdigest()[:20]

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from specula.errors import SpeculaError
 from specula.runtime.target import Target
+from specula.runtime.tokenizer import tokenizer_fingerprint  # noqa: F401 - imported from here by the trainers
 from specula.training.records import TrainingRecord, TrainingSample
 
 FORMAT_VERSION = 1
@@ -27,14 +28,6 @@ def target_fingerprint(target: Target) -> dict:
         digest.update(flat[:: max(1, flat.numel() // 4096)].float().cpu().numpy().tobytes())
     return {"model_type": target.config.model_type, "dtype": str(target.dtype).removeprefix("torch."),
             "weights": digest.hexdigest()[:20]}
-
-
-def tokenizer_fingerprint(tokenizer) -> str:
-    digest = hashlib.sha256()
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    digest.update(backend.to_str().encode() if backend is not None else str(len(tokenizer)).encode())
-    digest.update(str(getattr(tokenizer, "chat_template", None)).encode())
-    return digest.hexdigest()[:20]
 
 
 def _record_bytes(record: TrainingRecord) -> bytes:
