@@ -37,20 +37,25 @@ from specula.runtime.target import Target
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def smollm2_shaped(directory: Path, tokenizer_from: Path) -> Path:
-    """A Llama of SmolLM2-135M's shapes with random weights (float32 safetensors, ~540 MB), saved with
+def save_random_llama(directory: Path, tokenizer_from: Path, **config) -> Path:
+    """A Llama of random weights (seed 0) with ``config`` (`LlamaConfig`'s arguments), saved to ``directory`` with
     ``tokenizer_from``'s tokenizer files."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
-                         rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
     torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(directory)
+    LlamaForCausalLM(LlamaConfig(**config)).save_pretrained(directory)
     for name in tokenizer_from.iterdir():
         if "token" in name.name:
             shutil.copy(name, directory / name.name)
     return directory
+
+
+def smollm2_shaped(directory: Path, tokenizer_from: Path) -> Path:
+    """A Llama of SmolLM2-135M's shapes with random weights (float32 safetensors, ~540 MB)."""
+    return save_random_llama(directory, tokenizer_from, vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                             num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                             max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
+                             tie_word_embeddings=True)
 
 
 def step_ms(target: Target, tokens: torch.Tensor, repeats: int) -> float:

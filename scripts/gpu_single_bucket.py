@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from cpu_threads import save_random_llama
 from gpu_check import cell_runner
 
 import specula.runtime.compiled_step as compiled_step
@@ -94,18 +95,9 @@ def random_llama(directory: Path, tokenizer_from: Path) -> Path:
     """A Llama of random weights with the shapes of a 1B model's layers (hidden 2,048, 16 query and 4 key-value
     heads of 128, MLP 5,632; 4 layers, 4,096 positions), saved with ``tokenizer_from``'s tokenizer (its vocab of 512
     is the model's): realistic kernel shapes, no download."""
-    import shutil
-
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(vocab_size=512, hidden_size=2048, intermediate_size=5632, num_hidden_layers=4,
-                         num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=4096)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(directory)
-    for name in tokenizer_from.iterdir():
-        if "token" in name.name:
-            shutil.copy(name, directory / name.name)
-    return directory
+    return save_random_llama(directory, tokenizer_from, vocab_size=512, hidden_size=2048, intermediate_size=5632,
+                             num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4,
+                             max_position_embeddings=4096)
 
 
 def loaded_invariance(device: torch.device, path: Path, fmt: str, prompt_length: int) -> dict:
