@@ -108,9 +108,9 @@ class SuffixDrafter:
             other = self.corpus.propose(self.scope, tail, self.max_match, **draft)
             if other.score > best.score:
                 best = other
-        if self.answers is not None:
-            other = self.answers.propose(self._text[-self.max_match:], self.max_match,
-                                         **{**draft, "budget": min(self.num_tokens, self.answer_nodes)})
+        nodes = min(self.num_tokens, self.answer_nodes)
+        if self.answers is not None and best.score < nodes:  # a draft of n nodes scores at most n: else unbeatable
+            other = self.answers.propose(self._text[-self.max_match:], self.max_match, **{**draft, "budget": nodes})
             if other.score > best.score:
                 best = other
         return _tree(root, best, context.device)
