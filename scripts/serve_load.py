@@ -14,6 +14,8 @@ medians over rounds and the median per-round ratio to the first method.
 
     OMP_NUM_THREADS=2 .venv/bin/python scripts/serve_load.py --methods vanilla,pld --weights q4_1 \\
         --out docs/benchmarks/serve-smollm2
+    .venv/bin/python scripts/serve_load.py --methods vanilla,suffix,plain=suffix \\
+        --label-option=plain:--suffix-answers=none --rounds 2 --out runs/serve-answers   # two configurations
 
 Writes ``results.json`` and ``results.md`` into ``--out``.
 """
