@@ -149,7 +149,7 @@ def _merged(target: Target, build_head_drafter: Callable[[dict], EagleDrafter], 
     its trees (`specula.drafters.merged`) unless the option ``head_only`` says not to."""
     options = dict(options)
     head_only = options.pop(HEAD_ONLY.name, False)
-    answers = options.pop(ANSWERS.name, None) if head_only else _answers(target, options, 8)  # no corpus: no suffix drafts
+    answers = options.pop(ANSWERS.name, None) if head_only else _answers(target, options, 8)  # none drafted
     drafter = build_head_drafter(options)
     return drafter if head_only else MergedDrafter(drafter, build_suffix_drafter(answers=answers))
 

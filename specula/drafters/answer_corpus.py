@@ -36,6 +36,7 @@ from specula.runtime.tokenizer import tokenizer_fingerprint
 
 FORMAT = "specula-answer-corpus"
 
+
 class AnswerCorpus:
     """Every window of ``depth`` tokens of fixed texts, sorted: what followed each phrase, how often and where.
 
@@ -71,7 +72,7 @@ class AnswerCorpus:
 
     def occurrences(self, phrase: Sequence[int], top: int | None = None) -> Occurrences | None:
         """The run of windows that begin with ``phrase`` (at most ``depth`` tokens), or None if it never occurs.
-        ``top``: how many continuations of a run `Occurrences.children` needs at most (None: all)."""
+        ``top``: how many continuations of a run `Occurrences.ranked_children` returns at most (None: all)."""
         lo, hi, kind = 0, self.size, self.columns.dtype.type
         for j, token in enumerate(phrase):
             if not 0 <= token < self.separator:
@@ -107,7 +108,7 @@ class AnswerCorpus:
         stream[self.order] = self.columns[0]
         path = Path(path)
         partial = path.with_name(path.name + ".partial")
-        save_file({"tokens": torch.from_numpy(stream.astype(self.columns.dtype))}, partial,
+        save_file({"tokens": torch.from_numpy(stream)}, partial,
                   metadata={"format": FORMAT, "version": "1", "tokenizer": self.tokenizer,
                             "separator": str(self.separator)})
         partial.replace(path)
