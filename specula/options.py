@@ -23,9 +23,9 @@ from specula.tree import check_rank_paths
 class OptionSpec:
     """One drafter option: its keyword name, value type, range and command-line spelling.
 
-    kind: "int", "float", "bool", "path", "weights" (a `specula.runtime.weights` format name) or "tree" (a
-    non-empty list of child-rank paths, each path's parent listed too, no path twice; given as a list,
-    JSON text or a JSON file).
+    kind: "int", "float", "bool", "path", "file" (an existing file, or 'none'), "weights" (a
+    `specula.runtime.weights` format name) or "tree" (a non-empty list of child-rank paths, each path's parent
+    listed too, no path twice; given as a list, JSON text or a JSON file).
     """
 
     name: str
@@ -47,6 +47,12 @@ class OptionSpec:
         if self.kind == "path":
             if not isinstance(value, (str, Path)) or not str(value):
                 raise SpeculaError(f"{label} must be a path, got {value!r}")
+            return Path(value)
+        if self.kind == "file":  # checked here, before any model loads
+            if isinstance(value, (str, Path)) and str(value) == "none":
+                return "none"
+            if not isinstance(value, (str, Path)) or not str(value) or not Path(value).is_file():
+                raise SpeculaError(f"{label}: no such file: {value!r} (give a file, or 'none')")
             return Path(value)
         if self.kind == "weights":
             if value not in WEIGHT_FORMATS:
@@ -124,7 +130,7 @@ SUFFIX_OPTIONS = (
                "oldest answers evicted first", 1, "N"),
 )
 # The target's own answers, a fixed corpus the suffix drafter (and the head methods' grafted suffix drafts) use.
-ANSWERS = OptionSpec("answers", "path", "--suffix-answers", "suffix: a corpus of the target's own answers to draft "
+ANSWERS = OptionSpec("answers", "file", "--suffix-answers", "suffix: a corpus of the target's own answers to draft "
                      "from (scripts/build_answer_corpus.py), or 'none' (default: the one bundled for the default "
                      "target)", None, "FILE")
 MERGED_OPTIONS = (HEAD_ONLY, ANSWERS)  # the head methods' grafted suffix drafts

@@ -74,7 +74,7 @@ def test_the_suffix_drafter_drafts_from_the_answers_where_the_context_has_nothin
     assert drafting.fork().answers is answers
 
 
-def test_the_default_target_drafts_from_its_bundled_answers_unless_told_none(smollm2):
+def test_the_default_target_drafts_from_its_bundled_answers_unless_told_none(smollm2, tmp_path):
     """suffix and the head methods' grafted suffix drafter read the bundled corpus; 'none' and --head-only read none."""
     from specula.methods import build_speculator
 
@@ -85,5 +85,8 @@ def test_the_default_target_drafts_from_its_bundled_answers_unless_told_none(smo
     merged = build_speculator(target, "eagle3", profile=False)
     assert merged.drafter.suffix_drafter.answers is suffix.drafter.answers  # one copy per process
     assert not hasattr(build_speculator(target, "eagle3", profile=False, head_only=True).drafter, "suffix_drafter")
-    with pytest.raises(SpeculaError, match="not an answer corpus|cannot read"):
+    with pytest.raises(SpeculaError, match="no such file"):  # before any model loads
         build_speculator(target, "suffix", profile=False, answers="/nonexistent/answers.safetensors")
+    (tmp_path / "bad.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(SpeculaError, match="cannot read the answer corpus"):
+        build_speculator(target, "suffix", profile=False, answers=tmp_path / "bad.safetensors")

@@ -18,9 +18,10 @@ from specula.runtime.target import Target
 
 PACKAGE = Path(specula.__file__).resolve().parent
 
-WRONG_TYPE = {"int": [1], "float": "many", "bool": 3, "path": 5, "tree": "not json", "weights": "q5"}
+WRONG_TYPE = {"int": [1], "float": "many", "bool": 3, "path": 5, "file": "/no/such/file", "tree": "not json",
+              "weights": "q5"}
 OUT_OF_RANGE = {"int": 0, "float": -1.0, "tree": [[-1]]}
-VALID = {"int": 1, "float": 0.5, "bool": True, "path": "x", "tree": [[0]], "weights": "int8"}
+VALID = {"int": 1, "float": 0.5, "bool": True, "path": "x", "file": "none", "tree": [[0]], "weights": "int8"}
 
 
 @pytest.fixture
