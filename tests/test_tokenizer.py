@@ -18,8 +18,7 @@ from transformers import AutoTokenizer
 
 from specula.chat.template import end_of_turn_ids, template_end_ids
 from specula.runtime.model_source import cache_dir
-from specula.runtime.tokenizer import PlainTokenizer, load_tokenizer, plain_tokenizer
-from specula.training.fingerprints import tokenizer_fingerprint
+from specula.runtime.tokenizer import PlainTokenizer, load_tokenizer, plain_tokenizer, tokenizer_fingerprint
 
 MT_BENCH = REPO.parent / "shared" / "data" / "mt_bench" / "question.jsonl"
 AWKWARD = ["", " ", "\n\n\n", "\t x \t", "<|im_start|>user\nhi<|im_end|>", "</s> <s> <unk> <|endoftext|>",

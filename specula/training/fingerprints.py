@@ -10,7 +10,6 @@ from pathlib import Path
 
 from specula.errors import SpeculaError
 from specula.runtime.target import Target
-from specula.runtime.tokenizer import tokenizer_fingerprint  # noqa: F401 - imported from here by the trainers
 from specula.training.records import TrainingRecord, TrainingSample
 
 FORMAT_VERSION = 1

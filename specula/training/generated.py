@@ -34,9 +34,10 @@ from specula.files.outputs import atomic_write_text
 from specula.files.readers import open_safetensors
 from specula.kernels.q4_1 import unavailable_reason
 from specula.runtime.target import FeatureRequest, Target
+from specula.runtime.tokenizer import tokenizer_fingerprint
 from specula.training.capture import CapturedSample, CaptureEngine
 from specula.training.conversations import Job, JobMaker, PromptMix
-from specula.training.fingerprints import cache_mismatch, stable_hash, target_fingerprint, tokenizer_fingerprint
+from specula.training.fingerprints import cache_mismatch, stable_hash, target_fingerprint
 from specula.training.records import Log, has_chat_template, offset_lengths, shard_position
 
 RUN_FILE, JOURNAL_FILE, SHARDS = "run.json", "journal.jsonl", "shards"

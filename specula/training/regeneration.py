@@ -30,6 +30,7 @@ from specula.files.outputs import atomic_write, atomic_write_text
 from specula.files.readers import load_torch
 from specula.runtime.plain_model import transformers_model
 from specula.runtime.target import Target
+from specula.runtime.tokenizer import tokenizer_fingerprint
 from specula.training.fingerprints import (
     FORMAT_VERSION,
     cache_mismatch,
@@ -37,7 +38,6 @@ from specula.training.fingerprints import (
     records_hash,
     stable_hash,
     target_fingerprint,
-    tokenizer_fingerprint,
 )
 from specula.training.records import (
     Log,
