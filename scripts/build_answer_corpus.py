@@ -12,29 +12,26 @@ file, so that a target with another tokenizer never drafts from it:
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
-from safetensors import safe_open
-
 from specula.drafters.answer_corpus import AnswerCorpus
+from specula.runtime.target import FeatureRequest
+from specula.training.generated import GeneratedData
 
 
-def responses(capture: Path, context: int, max_tokens: int) -> list[list[int]]:
+def responses(data: GeneratedData, context: int, max_tokens: int) -> list[list[int]]:
     """The capture's responses as token lists (``context`` tokens before each), in journal order."""
     texts, total = [], 0
-    for line in (capture / "journal.jsonl").read_text().splitlines():
-        with safe_open(capture / "shards" / json.loads(line)["file"], "pt") as shard:
-            ids, mask, offsets = (shard.get_tensor(name) for name in ("input_ids", "loss_mask", "offsets"))
-        for start, end in zip(offsets[:-1].tolist(), offsets[1:].tolist(), strict=True):
-            answer = mask[start:end].nonzero().flatten()
-            if len(answer) == 0:
-                continue
-            text = ids[max(start, start + int(answer[0]) - context):start + int(answer[-1]) + 1].tolist()
-            texts.append(text[:max_tokens - total])
-            total += len(texts[-1])
-            if total >= max_tokens:
-                return texts
+    for index in range(len(data)):
+        sample = data[index]
+        answer = sample["loss_mask"].nonzero().flatten()
+        if len(answer) == 0:
+            continue
+        text = sample["input_ids"][max(0, int(answer[0]) - context):int(answer[-1]) + 1].tolist()
+        texts.append(text[:max_tokens - total])
+        total += len(texts[-1])
+        if total >= max_tokens:
+            break
     return texts
 
 
@@ -46,9 +43,9 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=2_000_000)
     p.add_argument("--depth", type=int, default=16, help="phrase + continuation tokens indexed (default: 16)")
     args = p.parse_args()
-    run = json.loads((args.data / "run.json").read_text())
-    texts = responses(args.data, args.context, args.max_tokens)
-    corpus = AnswerCorpus.from_texts(texts, args.depth, run["components"]["tokenizer"])
+    data = GeneratedData(args.data, FeatureRequest())  # ids and loss masks only: no features read
+    texts = responses(data, args.context, args.max_tokens)
+    corpus = AnswerCorpus.from_texts(texts, args.depth, data.run["components"]["tokenizer"])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     corpus.save(args.out)
     print(f"{args.out}: {len(texts)} answers, {sum(map(len, texts))} tokens, "
