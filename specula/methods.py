@@ -32,7 +32,7 @@ from specula.drafters.eagle import EAGLE2_BUDGETS, EAGLE3_BUDGETS, EagleDrafter
 from specula.drafters.medusa import build_medusa_drafter
 from specula.drafters.merged import MergedDrafter
 from specula.drafters.prompt_lookup import PromptLookupDrafter
-from specula.drafters.suffix import ANSWER_NODES, build_suffix_drafter
+from specula.drafters.suffix import ANSWER_NODES, MAX_MATCH, build_suffix_drafter
 from specula.drafters.vanilla import VanillaDrafter
 from specula.errors import SpeculaError
 from specula.heads.eagle3_head import Eagle3Head
@@ -113,7 +113,7 @@ def _pld(target: Target, draft: Path | None, options: dict, dtype: str) -> Draft
 
 def _suffix(target: Target, draft: Path | None, options: dict, dtype: str) -> Drafter:
     options = dict(options)
-    answers = _answers(target, options, options.get("max_match", 8))
+    answers = _answers(target, options, options.get("max_match", MAX_MATCH))
     return build_suffix_drafter(tree=not options.pop("chain", False), answers=answers, **options)
 
 
@@ -149,7 +149,7 @@ def _merged(target: Target, build_head_drafter: Callable[[dict], EagleDrafter], 
     its trees (`specula.drafters.merged`) unless the option ``head_only`` says not to."""
     options = dict(options)
     head_only = options.pop(HEAD_ONLY.name, False)
-    answers = options.pop(ANSWERS.name, None) if head_only else _answers(target, options, 8)  # none drafted
+    answers = options.pop(ANSWERS.name, None) if head_only else _answers(target, options, MAX_MATCH)
     drafter = build_head_drafter(options)
     return drafter if head_only else MergedDrafter(drafter, build_suffix_drafter(answers=answers))
 

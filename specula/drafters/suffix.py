@@ -38,6 +38,7 @@ SHARED_SCOPE = "shared"
 # Draft nodes a cycle takes from the answer corpus. Replayed on MT-bench's greedy q4_1 answers with SmolLM2's
 # corpus (docs/suffix.md, "The answer corpus"), 2 and 4 gave the same tau and 8 cost more in verification.
 ANSWER_NODES = 2
+MAX_MATCH = 8  # the longest phrase matched by default (the answer corpus is indexed MAX_MATCH + ANSWER_NODES deep)
 
 
 class SuffixDrafter:
@@ -58,7 +59,7 @@ class SuffixDrafter:
     name = "suffix"
     features = FeatureRequest()
 
-    def __init__(self, num_tokens: int = 8, max_match: int = 8, spec_factor: float = 4.0, min_prob: float = 0.1,
+    def __init__(self, num_tokens: int = 8, max_match: int = MAX_MATCH, spec_factor: float = 4.0, min_prob: float = 0.1,
                  tree: bool = True, corpus: SuffixCorpus | None = None, scope: str | None = None,
                  answers: AnswerCorpus | None = None, answer_nodes: int = ANSWER_NODES):
         if num_tokens < 1 or max_match < 1:
@@ -153,8 +154,8 @@ def _tree(root: int, candidates: Candidates, device: torch.device) -> DraftTree:
     return DraftTree(tokens, [-1, *candidates.parents], confidences=torch.tensor([1.0, *candidates.probs]))
 
 
-def build_suffix_drafter(num_tokens: int = 8, max_match: int = 8, spec_factor: float = 4.0, min_prob: float = 0.1,
-                         tree: bool = True, corpus: bool = False, corpus_nodes: int = 1 << 18,
+def build_suffix_drafter(num_tokens: int = 8, max_match: int = MAX_MATCH, spec_factor: float = 4.0,
+                         min_prob: float = 0.1, tree: bool = True, corpus: bool = False, corpus_nodes: int = 1 << 18,
                          answers: AnswerCorpus | None = None) -> SuffixDrafter:
     """The drafter `specula.load(method="suffix")` uses: a corpus object of ``corpus_nodes`` nodes (about
     `NODE_BYTES` each) always exists for `for_client`; ``corpus`` True shares it across every generation;
