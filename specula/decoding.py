@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -105,11 +105,17 @@ class Sequence:
         self.stats.prompt_tokens = int(prompt.numel())
         self.context: torch.Tensor | None = None  # prompt + new tokens, once the prompt has run
         self._tree: DraftTree | None = None
+        self.draft_cap: int | None = None  # the depth cap the current draft was pruned to (None: uncapped)
         self._started = self._proposed = 0.0
 
     @property
     def done(self) -> bool:
         return bool(self.stats.stop_reason)
+
+    @property
+    def draft_kind(self) -> str:
+        """The kind of the draft the next `advance` verifies (`DraftTree.kind`; "" for the prompt or a root)."""
+        return "" if self._tree is None else self._tree.kind
 
     @property
     def nodes_per_depth(self) -> list[int]:
@@ -119,9 +125,11 @@ class Sequence:
         depths = self._tree.depths
         return [depths.count(d) for d in range(1, max(depths) + 1)]
 
-    def block(self, max_depth: int | None = None) -> Block:
+    def block(self, max_depth: int | None = None, kind_depth: Mapping[str, int | None] | None = None) -> Block:
         """The next forward: the whole prompt (from an empty cache) first, then a draft tree no deeper than
-        ``max_depth`` (None: as deep as the drafter proposes; 0: the root alone, a plain decoding step)."""
+        ``max_depth`` (None: as deep as the drafter proposes; 0: the root alone, a plain decoding step), and
+        no deeper than ``kind_depth[kind]`` for a draft of a kind listed there (`DraftTree.kind`). The cap that
+        applied is ``draft_cap``."""
         tick = time.perf_counter()
         if self.context is None:
             self._started = tick
@@ -139,8 +147,10 @@ class Sequence:
         target, stats = self.target, self.stats
         room = target.max_length - target.length
         depth = min(self.max_new_tokens - stats.new_tokens - 1, target.max_length - len(self.context) - 1)
-        depth = depth if max_depth is None else min(depth, max_depth)
-        self._tree = self.drafter.propose(self.context, depth, self.params, self.generator).prune(depth, room)
+        tree = self.drafter.propose(self.context, depth if max_depth is None else min(depth, max_depth),
+                                    self.params, self.generator)
+        self.draft_cap = (kind_depth or {}).get(tree.kind, max_depth)
+        self._tree = tree.prune(depth if self.draft_cap is None else min(depth, self.draft_cap), room)
         self._proposed = time.perf_counter()
         stats.draft_time += self._proposed - tick
         tree = self._tree

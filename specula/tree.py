@@ -28,12 +28,16 @@ class DraftTree:
                  acceptor treats as a point-mass proposal.
     confidences: float [n] or None. The drafter's probability of node i's token given its
                  parent (row 0 unused); only read by the benchmark's calibration plot.
+    kind:        what sort of draft this is, for a drafter whose drafts differ in how often they
+                 are accepted (the suffix drafter's source and match length, e.g. "conversation
+                 match 3-4"); the server's draft budget learns each kind's acceptance. "" for one sort.
     """
 
     tokens: torch.Tensor
     parents: list[int]
     draft_probs: torch.Tensor | None = None
     confidences: torch.Tensor | None = None
+    kind: str = ""
     _depths: list[int] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -121,7 +125,7 @@ class DraftTree:
         parents = [-1] + [new_index[self.parents[i]] for i in keep[1:]]
         probs = None if self.draft_probs is None else self.draft_probs[keep]
         confidences = None if self.confidences is None else self.confidences[keep]
-        return DraftTree(self.tokens[keep], parents, probs, confidences)
+        return DraftTree(self.tokens[keep], parents, probs, confidences, self.kind)
 
 
 def check_rank_paths(paths: Sequence, label: str = "tree choices") -> list[tuple[int, ...]]:

@@ -70,7 +70,8 @@ def test_the_suffix_drafter_drafts_from_the_answers_where_the_context_has_nothin
     plain, drafting = SuffixDrafter(), SuffixDrafter(answers=answers, answer_nodes=2)
     context = torch.tensor([1, 2, 3, 7, 8])
     assert plain.propose(context, 8, params, None).tokens.tolist() == [8]  # the root alone
-    assert drafting.propose(context, 8, params, None).tokens.tolist() == [8, 9, 10]  # at most answer_nodes drafts
+    draft = drafting.propose(context, 8, params, None)
+    assert draft.tokens.tolist() == [8, 9, 10] and draft.kind == "answers match 2"  # at most answer_nodes drafts
     assert drafting.fork().answers is answers
 
 

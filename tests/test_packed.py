@@ -10,9 +10,11 @@ from conftest import LLAMA2XS, REPO, STORIES, STORY_PROMPTS
 import specula
 from specula.decoding import Sequence, generate_tokens
 from specula.errors import SpeculaError
+from specula.runtime.forward import FeatureRequest
 from specula.runtime.packed import forward_packed
 from specula.sampling import SamplingParams
 from specula.serve.budget import DraftBudget, parse_budget_table
+from specula.tree import DraftTree
 
 NEW_TOKENS = 24
 
@@ -103,6 +105,48 @@ def test_the_measured_budget_drafts_less_deep_as_the_batch_fills_the_machine():
         wide.observe([8] * 5, [0, 1, 1, 2, 3][i % 5], 0.0)
     assert set(wide.plan().values()) == {0}
     assert sum(wide(1) is None for _ in range(128)) == 2  # but one sequence-cycle in 64 still drafts uncapped
+
+
+def test_a_kind_of_draft_accepted_more_often_drafts_deeper_than_the_pool():
+    curve = {1: 1.0, 2: 1.3, 4: 1.7, 8: 2.6, 16: 4.5, 32: 8.5, 64: 16.0, 128: 32.0}
+    budget = DraftBudget(curve)
+    for i in range(420):  # one-token matches that are rarely right beside long matches that are
+        if i % 2:
+            budget.observe([1] * 6, [0, 0, 0, 0, 1][i % 5], 0.0, kind="match 1")
+        else:
+            budget.observe([1] * 6, [6, 6, 5, 4, 6][i % 5], 0.0, kind="match 5+")
+    pooled, short, long = budget.plan(), budget.plan(kind="match 1"), budget.plan(kind="match 5+")
+    assert short[16] == 0 and long[16] > pooled[16]
+    assert all(long[b] is None or (short[b] is not None and long[b] >= short[b]) for b in range(1, 17))
+    caps = budget.caps(16)
+    assert caps.by_kind == {"match 1": short[16], "match 5+": long[16]} and caps.deepest == long[16]
+    assert budget(16) == long[16]  # the proposal may go as deep as the deepest kind allows
+
+
+class KindChainDrafter:
+    """Proposes the same 6-token chain of kind "long match" every cycle (a stand-in for a suffix match)."""
+
+    features = FeatureRequest()
+
+    def start(self, prompt, target_out):
+        pass
+
+    def propose(self, context, max_depth, params, generator):
+        tree = DraftTree.chain(int(context[-1]), [5, 6, 7, 8, 9, 10][:max_depth])
+        return DraftTree(tree.tokens, tree.parents, kind="long match")
+
+    def observe(self, accepted, target_out):
+        pass
+
+
+def test_a_sequence_prunes_its_draft_to_the_cap_of_its_kind():
+    target = specula.load(STORIES, dtype="float32", profile=False).target
+    sequence = Sequence(target, KindChainDrafter(), torch.tensor([1, 5, 6, 7]), NEW_TOKENS, SamplingParams())
+    sequence.advance(sequence.block().run(target))
+    assert len(sequence.block().tokens) == 7 and sequence.draft_kind == "long match" and sequence.draft_cap is None
+    assert len(sequence.block(4, {"long match": 1}).tokens) == 2 and sequence.draft_cap == 1
+    assert len(sequence.block(4, {"another kind": 0}).tokens) == 5 and sequence.draft_cap == 4
+    assert sequence.nodes_per_depth == [1, 1, 1, 1]
 
 
 @pytest.mark.parametrize("text", ["", "2:4", "1:x", "0:3,1:2", "1:2,4"])

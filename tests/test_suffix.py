@@ -101,6 +101,19 @@ def test_chain_mode_never_branches():
     assert draft.parents == list(range(len(draft.tokens)))
 
 
+def test_a_draft_says_where_it_was_found_and_how_long_a_phrase_matched():
+    drafter = build_suffix_drafter(corpus=True, corpus_nodes=1000)
+    context = torch.tensor([1, 2, 3, 4, 5, 6, 9, 1, 2, 3, 4, 5])
+    assert drafter.propose(context, 8, GREEDY, None).kind == "conversation match 5+"
+    assert drafter.propose(context[:-2], 8, GREEDY, None).kind == "conversation match 3-4"
+    assert drafter.propose(torch.tensor([7, 8, 7]), 8, GREEDY, None).kind == "conversation match 1"
+    writer = drafter.fork()
+    generation(writer, [1, 2], [30, 31, 32, 33])
+    writer.flush()
+    assert drafter.fork().propose(torch.tensor([9, 31, 32]), 8, GREEDY, None).kind == "earlier conversations match 2"
+    assert drafter.fork().propose(torch.tensor([9, 40]), 8, GREEDY, None).kind == ""  # nothing drafted
+
+
 def test_removing_a_text_leaves_exactly_the_other_texts():
     first, second = [1, 2, 3, 1, 2, 4, 5], [2, 3, 1, 7, 2, 3]
     trie = trie_of(first, second)

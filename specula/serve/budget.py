@@ -15,13 +15,17 @@ depth i as accepted ≥ i over the cycles whose cap allowed depth i, whatever th
 traffic each depth starts at `PRIOR_ACCEPTANCE` with the weight of `PRIOR_CYCLES` cycles, and one
 sequence-cycle in about 60 drafts uncapped so that depths a cap hides keep being measured (one
 sequence at a time: sixteen uncapped trees at once would double that cycle's cost). A method whose
-drafts do not pay on this machine thus falls back towards plain decoding, at any batch size. A fixed
-table (``--draft-budget 1:8,4:2,8:0``) replaces all of this.
+drafts do not pay on this machine thus falls back towards plain decoding, at any batch size. Drafts of
+different kinds (`DraftTree.kind`: the suffix drafter's source and match length) are accepted at different
+rates, so each kind also gets its own τ, n and depth, starting from the pooled ones: at four sequences a long
+match in the conversation still pays three levels while a one-token match in the answer corpus pays none. A
+fixed table (``--draft-budget 1:8,4:2,8:0``) replaces all of this.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 from specula.errors import SpeculaError
 from specula.runtime.verify_cost import measure_verify_curve, verify_cost
@@ -50,12 +54,55 @@ def parse_budget_table(text: str) -> dict[int, int]:
     return table
 
 
+@dataclass
+class DepthCaps:
+    """What one sequence may draft this cycle: ``deepest`` bounds the proposal (None: as deep as the drafter
+    likes), ``by_kind`` is a tighter cap for drafts of a known kind (`DraftTree.kind`)."""
+
+    deepest: int | None
+    by_kind: dict[str, int | None] = field(default_factory=dict)
+
+
+class _Acceptance:
+    """Per depth i (index i-1), as served: cycles whose cap allowed that depth, those that accepted that deep,
+    and the draft nodes there."""
+
+    def __init__(self, prior: list[float]):
+        self.drafted = [float(PRIOR_CYCLES)] * MAX_DEPTH
+        self.accepted = [PRIOR_CYCLES * p for p in prior]
+        self.nodes = [float(PRIOR_CYCLES)] * MAX_DEPTH
+        self.deepest = 0
+        self.cycles = 0
+
+    def observe(self, nodes_per_depth: Sequence[int], accepted: int, allowed: int) -> None:
+        depth = min(len(nodes_per_depth), MAX_DEPTH)
+        self.deepest = max(self.deepest, depth)
+        self.cycles += 1
+        for i in range(allowed):
+            self.drafted[i] += 1
+            self.accepted[i] += accepted > i
+            self.nodes[i] += nodes_per_depth[i] if i < depth else 0
+
+    def rates(self) -> list[float]:
+        return [a / d for a, d in zip(self.accepted, self.drafted, strict=True)]
+
+    def tau(self, depth: int) -> float:
+        return 1.0 + sum(self.accepted[i] / self.drafted[i] for i in range(min(depth, MAX_DEPTH)))
+
+    def draft_nodes(self, depth: int) -> float:
+        return sum(self.nodes[i] / self.drafted[i] for i in range(min(depth, MAX_DEPTH)))
+
+
 class DraftBudget:
-    """``budget(batch_size)`` → the deepest draft one sequence may make this cycle, asked per sequence (None: as
-    deep as the drafter likes).
+    """``caps(batch_size)`` → how deep one sequence may draft this cycle, asked per sequence; ``budget(batch_size)``
+    is its ``deepest`` alone (None: as deep as the drafter likes).
 
     ``curve``: {n: seconds of one forward over n tokens}; ``table``: a fixed {batch size: depth} instead.
-    `observe` takes each verified cycle's draft (nodes per depth), accepted drafts and drafting seconds.
+    `observe` takes each verified cycle's draft (nodes per depth), accepted drafts, drafting seconds, the cap
+    it was drafted under and its kind. Drafts of every kind are pooled into one estimate; a kind (the suffix
+    drafter's "conversation match 3-4", say) also gets its own, starting from the pooled one, and its own
+    depth: at sixteen sequences a row costs about a third of a token, so only the drafts accepted more often
+    than that pay — the long matches in the conversation, not the one-token matches in the answer corpus.
     """
 
     def __init__(self, curve: Mapping[int, float] | None = None, table: Mapping[int, int] | None = None,
@@ -65,30 +112,32 @@ class DraftBudget:
         self.curve = dict(curve or {})
         self.table = dict(sorted(table.items())) if table else None
         self.max_batch = max_batch
-        # Per depth i (index i-1): cycles whose cap allowed that depth, those that accepted that deep, and the
-        # draft nodes there.
-        self.drafted = [float(PRIOR_CYCLES)] * MAX_DEPTH
-        self.accepted = [PRIOR_CYCLES * PRIOR_ACCEPTANCE ** (i + 1) for i in range(MAX_DEPTH)]
-        self.nodes = [float(PRIOR_CYCLES)] * MAX_DEPTH
-        self.deepest = 0  # the deepest draft seen: the drafter's own depth
+        self.pooled = _Acceptance([PRIOR_ACCEPTANCE ** (i + 1) for i in range(MAX_DEPTH)])
+        self.kinds: dict[str, _Acceptance] = {}
         self.draft_seconds, self.draft_levels = 0.0, 0
-        self._plans: dict[int, int | None] = {}
+        self._plans: dict[int, DepthCaps] = {}
         self._observed = self._calls = 0
 
+    @property
+    def deepest(self) -> int:
+        """The deepest draft seen: the drafter's own depth."""
+        return self.pooled.deepest
+
     def observe(self, nodes_per_depth: Sequence[int], accepted: int, draft_seconds: float,
-                cap: int | None = None) -> None:
+                cap: int | None = None, kind: str = "") -> None:
         """One verified cycle of one sequence: its draft's node count at depth 1, 2, …, the drafts accepted, the
-        seconds spent drafting and the depth the budget allowed (None: uncapped).
+        seconds spent drafting, the depth the budget allowed (None: uncapped) and the draft's kind.
 
         Every depth the cap allowed counts, drafted or not: a drafter that drafts deep only when it is sure
         (prompt lookup finding a match, Ada predicting a long run) must not look surer than it is."""
         depth = min(len(nodes_per_depth), MAX_DEPTH)
-        self.deepest = max(self.deepest, depth)
+        self.pooled.deepest = max(self.pooled.deepest, depth)
         allowed = self.deepest if cap is None else min(cap, self.deepest)
-        for i in range(allowed):
-            self.drafted[i] += 1
-            self.accepted[i] += accepted > i
-            self.nodes[i] += nodes_per_depth[i] if i < depth else 0
+        self.pooled.observe(nodes_per_depth, accepted, allowed)
+        if kind:
+            if kind not in self.kinds:
+                self.kinds[kind] = _Acceptance(self.pooled.rates())
+            self.kinds[kind].observe(nodes_per_depth, accepted, allowed)
         if depth:
             self.draft_seconds += draft_seconds
             self.draft_levels += depth
@@ -96,38 +145,45 @@ class DraftBudget:
         if self._observed % REPLAN_EVERY == 0:
             self._plans.clear()
 
-    def served_tau(self, depth: int) -> float:
-        """τ(d): 1 + Σ_{i ≤ d} P(accepted ≥ i), as served so far."""
-        return 1.0 + sum(self.accepted[i] / self.drafted[i] for i in range(min(depth, MAX_DEPTH)))
+    def served_tau(self, depth: int, kind: str = "") -> float:
+        """τ(d): 1 + Σ_{i ≤ d} P(accepted ≥ i), as served so far (for drafts of ``kind``; "": all)."""
+        return self.kinds.get(kind, self.pooled).tau(depth)
 
-    def draft_nodes(self, depth: int) -> float:
-        """n(d): mean nodes of a draft down to depth d, as served so far."""
-        return sum(self.nodes[i] / self.drafted[i] for i in range(min(depth, MAX_DEPTH)))
+    def draft_nodes(self, depth: int, kind: str = "") -> float:
+        """n(d): mean nodes of a draft down to depth d, as served so far (for drafts of ``kind``; "": all)."""
+        return self.kinds.get(kind, self.pooled).draft_nodes(depth)
 
     def __call__(self, batch: int) -> int | None:
+        return self.caps(batch).deepest
+
+    def caps(self, batch: int) -> DepthCaps:
         if self.table is not None:
-            return self.table[max(b for b in self.table if b <= batch)]
+            return DepthCaps(self.table[max(b for b in self.table if b <= batch)])
         self._calls += 1
         if self.deepest == 0 or self._calls % EXPLORE_EVERY == 0:
-            return None
+            return DepthCaps(None)
         if batch not in self._plans:
-            self._plans[batch] = self.best_depth(batch)
+            by_kind = {kind: self.best_depth(batch, kind) for kind in self.kinds}
+            depths = [self.best_depth(batch), *by_kind.values()]
+            self._plans[batch] = DepthCaps(None if None in depths else max(depths), by_kind)
         return self._plans[batch]
 
-    def best_depth(self, batch: int) -> int | None:
-        """The depth with the most expected tokens per second for ``batch`` sequences (None: uncapped)."""
+    def best_depth(self, batch: int, kind: str = "") -> int | None:
+        """The depth with the most expected tokens per second for ``batch`` sequences drafting like drafts of
+        ``kind`` ("": all drafts; None: uncapped)."""
         per_level = self.draft_seconds / self.draft_levels if self.draft_levels else 0.0
+        acceptance = self.kinds.get(kind, self.pooled)
 
         def rate(d: int) -> float:
-            verify = verify_cost(self.curve, round(batch * (1 + self.draft_nodes(d))))
-            return batch * self.served_tau(d) / (verify + batch * d * per_level)
+            verify = verify_cost(self.curve, round(batch * (1 + acceptance.draft_nodes(d))))
+            return batch * acceptance.tau(d) / (verify + batch * d * per_level)
 
         best = max(range(self.deepest + 1), key=lambda d: (rate(d), -d))
         return None if best == self.deepest else best
 
-    def plan(self, max_batch: int | None = None) -> dict[int, int | None]:
+    def plan(self, max_batch: int | None = None, kind: str = "") -> dict[int, int | None]:
         """{batch size: deepest draft} for 1..max_batch as things stand (for inspection and tests)."""
-        return {b: self.best_depth(b) if self.table is None else self(b)
+        return {b: self.best_depth(b, kind) if self.table is None else self(b)
                 for b in range(1, (max_batch or self.max_batch) + 1)}
 
 

@@ -68,6 +68,7 @@ class Running:
     stops: StopMatcher
     drafted: list[int] = field(default_factory=list)  # nodes per depth of the draft this cycle verifies
     cap: int | None = None  # the depth the budget allowed this cycle
+    kind: str = ""  # the kind of draft this cycle verifies (`DraftTree.kind`)
     draft_seconds: float = 0.0  # the sequence's drafting time before this cycle
 
     @property
@@ -221,13 +222,14 @@ class BatchedEngine:
         ready, blocks = [], []
         for running in list(self._running):
             running.draft_seconds = running.stats.draft_time
-            running.cap = self.budget(batch)
+            caps = self.budget.caps(batch)
             try:
-                blocks.append(running.sequence.block(running.cap))
+                blocks.append(running.sequence.block(caps.deepest, caps.by_kind))
             except Exception as err:
                 self._end(running, _failure(err))
                 continue
-            running.drafted = running.sequence.nodes_per_depth
+            running.drafted, running.cap = running.sequence.nodes_per_depth, running.sequence.draft_cap
+            running.kind = running.sequence.draft_kind
             ready.append(running)
         if not ready:
             return
@@ -257,7 +259,7 @@ class BatchedEngine:
             self.metrics.time_to_first_token.observe(time.perf_counter() - stream.submitted)
         else:
             self.budget.observe(running.drafted, stats.accepted_lengths[-1], stats.draft_time - running.draft_seconds,
-                                running.cap)
+                                running.cap, running.kind)
         text, stopped = running.stops.push(running.text.push(new))
         if running.sequence.done and not stopped:
             rest, stopped = running.stops.push(running.text.finish())
