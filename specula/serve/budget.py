@@ -72,12 +72,10 @@ class _Acceptance:
         self.accepted = [PRIOR_CYCLES * p for p in prior]
         self.nodes = [float(PRIOR_CYCLES)] * MAX_DEPTH
         self.deepest = 0
-        self.cycles = 0
 
     def observe(self, nodes_per_depth: Sequence[int], accepted: int, allowed: int) -> None:
         depth = min(len(nodes_per_depth), MAX_DEPTH)
         self.deepest = max(self.deepest, depth)
-        self.cycles += 1
         for i in range(allowed):
             self.drafted[i] += 1
             self.accepted[i] += accepted > i
