@@ -1,6 +1,6 @@
-"""What a process pays before `specula generate`'s first token: only the subcommand's own modules load, and
-on a machine of at most two CPUs OpenMP threads wait passively unless the user chose otherwise. No timing is
-asserted."""
+"""What a process pays before `specula generate`'s first token: only the subcommand's own modules load, on a
+machine of at most two CPUs OpenMP threads wait passively unless the user chose otherwise, and a prompt runs on
+both of its CPUs with the same bits as on one. No timing is asserted."""
 
 from __future__ import annotations
 
@@ -9,8 +9,12 @@ import subprocess
 import sys
 
 import pytest
+import torch
+from conftest import STORIES
 
 from specula import openmp
+from specula.runtime import target as target_module
+from specula.runtime.target import Target
 
 PROBE = ("import os, sys; import specula.cli as cli; cli.build_parser('generate'); "
          "print(os.environ.get('OMP_WAIT_POLICY'), "
@@ -47,3 +51,31 @@ def test_threads_wait_passively_only_on_a_machine_of_at_most_two_cpus(cpus, poli
     assert os.environ.get("OMP_WAIT_POLICY") == policy
     assert openmp.set_by_specula == (policy is not None)
     assert openmp.default_threads(cpus) == (1 if policy else None)  # one thread goes with passive waiting
+
+
+@pytest.mark.parametrize("weights", ["float32", "q4_1"])
+def test_a_prompt_runs_on_both_cpus_of_a_small_machine_with_the_same_bits(weights, monkeypatch):
+    target = Target.load(STORIES, dtype="float32", weights=weights)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    threads, forward = [], target.runtime.forward
+
+    def spy(*args, **kwargs):
+        threads.append(torch.get_num_threads())
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(target.runtime, "forward", spy)
+    prompt, previous, outputs = torch.arange(3, 103), torch.get_num_threads(), []
+    torch.set_num_threads(1)  # what a 2-CPU machine decodes on
+    try:
+        for first_threaded_prompt in (target_module.PROMPT_THREADS_FROM, 10 ** 9):  # then never: one thread
+            monkeypatch.setattr(target_module, "PROMPT_THREADS_FROM", first_threaded_prompt)
+            target.reset()
+            target.reserve(200)
+            prompt_logits = target.forward(prompt, last_logits_only=True).logits
+            target.commit()
+            outputs.append((prompt_logits, target.forward(torch.tensor([7])).logits))  # reads the prompt's cache
+        assert threads == [2, 1, 1, 1] and torch.get_num_threads() == 1  # decoding steps stay on one
+    finally:
+        torch.set_num_threads(previous)
+    assert all(torch.equal(a, b) for a, b in zip(*outputs, strict=True))
