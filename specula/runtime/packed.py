@@ -21,7 +21,7 @@ import torch
 from specula.errors import SpeculaError
 from specula.runtime.forward import FeatureRequest, ForwardOutput, LlamaFamilyRuntime
 from specula.runtime.static_cache import Segment, block_attention_mask
-from specula.runtime.target import Target
+from specula.runtime.target import Target, prompt_threads
 
 
 @dataclass
@@ -81,7 +81,9 @@ def forward_packed(targets: list[Target], blocks: list[Block]) -> list[ForwardOu
                             for s, b in zip(spans, blocks, strict=True)])
     base.refresh_fused()
     tokens = torch.cat([block.tokens.to(device) for block in blocks])
-    out = base.run(tokens, torch.cat(positions), {}, False, wanted, segments=segments, logit_rows=logit_rows)
+    prompts = sum(int(b.tokens.shape[0]) for b in blocks if b.last_logits_only) if device.type == "cpu" else 0
+    with prompt_threads(prompts):
+        out = base.run(tokens, torch.cat(positions), {}, False, wanted, segments=segments, logit_rows=logit_rows)
     outputs, first = [], 0
     for s, block in zip(spans, blocks, strict=True):
         count = 1 if block.last_logits_only else s.end - s.start
