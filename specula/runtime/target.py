@@ -185,7 +185,7 @@ def prompt_threads(tokens: int) -> Iterator[None]:
     decoding runs on one thread: a prompt's matmuls are large enough for the second core to pay (SmolLM2 q4_1, an
     800-token prompt: 1.38-1.42 s on one thread, 0.81-0.89 s on two, 2-core AMD EPYC). Every kernel a prompt runs
     computes each output on one thread in a fixed order, so the logits and the cache are the same bits either way
-    (`tests/test_threads.py`). Shorter blocks, larger machines and an ``OMP_NUM_THREADS`` of the user's are left as
+    (`tests/test_startup.py`). Shorter blocks, larger machines and an ``OMP_NUM_THREADS`` of the user's are left as
     they are."""
     cpus, current = os.cpu_count() or 1, torch.get_num_threads()
     if tokens < PROMPT_THREADS_FROM or current >= cpus or not few_cpus(cpus) or "OMP_NUM_THREADS" in os.environ:
