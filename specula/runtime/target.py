@@ -34,8 +34,10 @@ from specula.runtime.model_source import gguf_source, model_name
 from specula.runtime.weights import WEIGHT_FORMATS
 
 DEFAULT_MAX_CACHE = 8192
-# A prompt of at least this many tokens runs on every CPU of a small machine (`prompt_threads`).
-PROMPT_THREADS_FROM = 32
+# A prompt of at least this many tokens runs on every CPU of a small machine (`prompt_threads`). SmolLM2 q4_1 eager
+# prompts of 8 / 16 / 32 / 64 / 128 tokens, best of 3 in 3 rounds: 20-25 / 27-28 / 42-43 / 72-73 / 141-151 ms on one
+# thread, 16 / 20-22 / 30-31 / 47-57 / 87-88 ms on two (2-core AMD EPYC, passive waiting).
+PROMPT_THREADS_FROM = 8
 
 __all__ = ["FeatureRequest", "ForwardOutput", "Target"]  # the forward's types, as Target's signatures use them
 
