@@ -28,7 +28,7 @@ import torch
 import specula
 from specula.serve.budget import DraftBudget, measured_curve, parse_budget_table
 from specula.serve.engine import BatchedEngine
-from specula.serve.requests import Finished, GenerationRequest
+from specula.serve.requests import Failed, Finished, GenerationRequest
 
 QUESTIONS = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "mt_bench" / "question.jsonl"
 
@@ -49,8 +49,8 @@ async def serve(engine: BatchedEngine, prompts: list[list[int]], max_tokens: int
         async for event in stream:
             if isinstance(event, Finished):
                 tokens += event.completion_tokens
-            elif not hasattr(event, "text"):
-                raise SystemExit(f"a request failed: {event}")
+            elif isinstance(event, Failed):
+                raise SystemExit(f"a request failed: {event.status} {event.message}")
     return tokens, time.perf_counter() - start
 
 

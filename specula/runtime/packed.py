@@ -81,8 +81,7 @@ def forward_packed(targets: list[Target], blocks: list[Block]) -> list[ForwardOu
                             for s, b in zip(spans, blocks, strict=True)])
     base.refresh_fused()
     tokens = torch.cat([block.tokens.to(device) for block in blocks])
-    prompts = sum(int(b.tokens.shape[0]) for b in blocks if b.last_logits_only) if device.type == "cpu" else 0
-    with prompt_threads(prompts):
+    with prompt_threads(sum(int(b.tokens.shape[0]) for b in blocks if b.last_logits_only), device):
         out = base.run(tokens, torch.cat(positions), {}, False, wanted, segments=segments, logit_rows=logit_rows)
     outputs, first = [], 0
     for s, block in zip(spans, blocks, strict=True):

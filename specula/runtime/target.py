@@ -165,7 +165,7 @@ class Target:
             positions = torch.arange(self.length, self.length + n, device=self.device)
         else:
             positions = self.length + torch.as_tensor(depths, device=self.device)
-        with prompt_threads(n if last_logits_only and self.device.type == "cpu" else 0):
+        with prompt_threads(n if last_logits_only else 0, self.device):
             return self.runtime.forward(tokens.to(self.device), positions, block_mask, features, last_logits_only)
 
     @torch.no_grad()  # not inference_mode: trainers feed these features to autograd
@@ -182,15 +182,16 @@ class Target:
 
 
 @contextlib.contextmanager
-def prompt_threads(tokens: int) -> Iterator[None]:
-    """Run a prompt of ``tokens`` tokens on every CPU of a machine of at most two (`specula.openmp.few_cpus`), where
-    decoding runs on one thread: a prompt's matmuls are large enough for the second core to pay (SmolLM2 q4_1, an
-    800-token prompt: 1.38-1.42 s on one thread, 0.81-0.89 s on two, 2-core AMD EPYC). Every kernel a prompt runs
-    computes each output on one thread in a fixed order, so the logits and the cache are the same bits either way
-    (`tests/test_startup.py`). Shorter blocks, larger machines and an ``OMP_NUM_THREADS`` of the user's are left as
-    they are."""
+def prompt_threads(tokens: int, device: torch.device) -> Iterator[None]:
+    """Run a prompt of ``tokens`` tokens on every CPU of a machine of at most two (`specula.openmp.few_cpus`) when
+    ``device`` is that machine's CPU, where decoding runs on one thread: a prompt's matmuls are large enough for the
+    second core to pay (SmolLM2 q4_1, an 800-token prompt: 1.38-1.42 s on one thread, 0.81-0.89 s on two, 2-core AMD
+    EPYC). Every kernel a prompt runs computes each output on one thread in a fixed order, so the logits and the
+    cache are the same bits either way (`tests/test_startup.py`). Shorter blocks, GPUs, larger machines and an
+    ``OMP_NUM_THREADS`` of the user's are left as they are."""
     cpus, current = os.cpu_count() or 1, torch.get_num_threads()
-    if tokens < PROMPT_THREADS_FROM or current >= cpus or not few_cpus(cpus) or "OMP_NUM_THREADS" in os.environ:
+    if (tokens < PROMPT_THREADS_FROM or device.type != "cpu" or current >= cpus or not few_cpus(cpus)
+            or "OMP_NUM_THREADS" in os.environ):
         yield
         return
     torch.set_num_threads(cpus)

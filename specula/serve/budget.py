@@ -71,11 +71,9 @@ class _Acceptance:
         self.drafted = [float(PRIOR_CYCLES)] * MAX_DEPTH
         self.accepted = [PRIOR_CYCLES * p for p in prior]
         self.nodes = [float(PRIOR_CYCLES)] * MAX_DEPTH
-        self.deepest = 0
 
     def observe(self, nodes_per_depth: Sequence[int], accepted: int, allowed: int) -> None:
         depth = min(len(nodes_per_depth), MAX_DEPTH)
-        self.deepest = max(self.deepest, depth)
         for i in range(allowed):
             self.drafted[i] += 1
             self.accepted[i] += accepted > i
@@ -112,14 +110,10 @@ class DraftBudget:
         self.max_batch = max_batch
         self.pooled = _Acceptance([PRIOR_ACCEPTANCE ** (i + 1) for i in range(MAX_DEPTH)])
         self.kinds: dict[str, _Acceptance] = {}
+        self.deepest = 0  # the deepest draft seen: the drafter's own depth
         self.draft_seconds, self.draft_levels = 0.0, 0
         self._plans: dict[int, DepthCaps] = {}
         self._observed = self._calls = 0
-
-    @property
-    def deepest(self) -> int:
-        """The deepest draft seen: the drafter's own depth."""
-        return self.pooled.deepest
 
     def observe(self, nodes_per_depth: Sequence[int], accepted: int, draft_seconds: float,
                 cap: int | None = None, kind: str = "") -> None:
@@ -129,7 +123,7 @@ class DraftBudget:
         Every depth the cap allowed counts, drafted or not: a drafter that drafts deep only when it is sure
         (prompt lookup finding a match, Ada predicting a long run) must not look surer than it is."""
         depth = min(len(nodes_per_depth), MAX_DEPTH)
-        self.pooled.deepest = max(self.pooled.deepest, depth)
+        self.deepest = max(self.deepest, depth)
         allowed = self.deepest if cap is None else min(cap, self.deepest)
         self.pooled.observe(nodes_per_depth, accepted, allowed)
         if kind:
