@@ -21,3 +21,5 @@ fi
 .venv/bin/python -c 'from specula.kernels import attention; print(attention.build_report())'
 # The row-invariant float32 matmul (about 20 s): without it float32 linears go through the BLAS.
 .venv/bin/python -c 'from specula.kernels import float32; print(float32.build_report())'
+# The native decoder stack (about 30 s): q4_1 layers from C++, one call a step; without it they run from Python.
+.venv/bin/python -c 'from specula.kernels import decoder; print(decoder.build_report())'

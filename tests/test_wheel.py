@@ -47,7 +47,7 @@ def test_the_wheel_carries_the_bundled_heads_and_the_kernel_sources(installed_wh
     names = set(zipfile.ZipFile(wheel).namelist())
     for head in ("eagle-smollm2-135m", "eagle3-smollm2-135m", "medusa-smollm2-135m"):
         assert f"specula/heads/bundled/{head}/config.json" in names
-    assert {"specula/kernels/q4_1.cpp", "specula/kernels/attention.cpp"} <= names
+    assert {"specula/kernels/q4_1.cpp", "specula/kernels/attention.cpp", "specula/kernels/decoder.cpp"} <= names
     assert not any(name.startswith(("tests/", "docs/")) for name in names)
 
 

@@ -23,6 +23,7 @@ import torch
 
 from specula.errors import SpeculaError
 from specula.runtime.compiled_step import CompiledStep
+from specula.runtime.native_decoder import NativeDecoder
 from specula.runtime.static_cache import (
     FusedProjections,
     SlotBlock,
@@ -88,6 +89,7 @@ class LlamaFamilyRuntime:
         self.windows = [getattr(layer.self_attn, "sliding_window", None) or mistral_window for layer in self.layers]
         self.fused = [FusedProjections(layer) for layer in self.layers]
         self.compiled: CompiledStep | None = None  # set by Target.compile
+        self._native: NativeDecoder | None | bool = False  # False: not built yet (`native`)
 
     def fork(self) -> LlamaFamilyRuntime:
         """The same layers and stacked projections (shared, not copied), a new empty cache, no compiled step."""
@@ -104,10 +106,19 @@ class LlamaFamilyRuntime:
             self.cache.truncate(0)
 
     def refresh_fused(self) -> None:
-        """Rebuild the stacked projections of any layer whose linears were replaced (a later requantization)."""
+        """Rebuild the stacked projections of any layer whose linears were replaced (a later requantization), and
+        the native stack over them."""
         for i, layer in enumerate(self.layers):
             if not self.fused[i].built_from(layer):
                 self.fused[i] = FusedProjections(layer)
+                self._native = False
+
+    def native(self) -> NativeDecoder | None:
+        """The native stack over these layers (`specula.runtime.native_decoder`), built on first use; None where
+        they run from Python."""
+        if self._native is False:
+            self._native = NativeDecoder.build(self.layers, self.fused, self.windows, self.apply_rope, self.cache)
+        return self._native
 
     @property
     def length(self) -> int:
@@ -131,21 +142,28 @@ class LlamaFamilyRuntime:
         causal = block_mask is None and prefix == 0
         self.refresh_fused()
         last = tokens.new_full((1,), tokens.shape[0] - 1) if last_logits_only else None
-        return self.run(tokens, positions, masks, causal, features, logit_rows=last)
+        native = self.native()
+        if native is not None and not native.takes(tokens.shape[0], masks[self.windows[0]], causal):
+            native = None
+        return self.run(tokens, positions, masks, causal, features, logit_rows=last, native=native)
 
     def run(self, tokens, positions, masks: dict, causal: bool, features: FeatureRequest,
             slots: SlotBlock | None = None, segments: dict | None = None,
-            logit_rows: torch.Tensor | None = None, layer_step=None) -> ForwardOutput:
+            logit_rows: torch.Tensor | None = None, layer_step=None,
+            native: NativeDecoder | None = None) -> ForwardOutput:
         """The decoder over a block: ``masks`` per attention window (`block_attention_mask`), ``slots`` as in
         `decoder_layer_step`, or ``segments`` (per attention window, a list of `Segment`) for a block that packs
         several sequences; the stacked projections as `refresh_fused` left them; ``logit_rows`` [r]: the only
         block rows whose logits are wanted (None: all); ``layer_step``: a compiled decoder layer
-        (`compiled_step.slot_layer_step`) run for every layer of a ``slots`` block instead of `decoder_layer_step`."""
+        (`compiled_step.slot_layer_step`) run for every layer of a ``slots`` block instead of `decoder_layer_step`;
+        ``native``: the native stack (`native`), which takes this block, instead of either."""
         base = self.model.model
         x = base.embed_tokens(tokens[None])
         cos, sin = base.rotary_emb(x, positions[None])
         layer_inputs = {}
-        for i, layer in enumerate(self.layers):
+        if native is not None:
+            x, layer_inputs = native.run(x, cos, sin, self.cache, masks[None], features.layer_inputs)
+        for i, layer in enumerate([] if native is not None else self.layers):
             if i in features.layer_inputs:
                 layer_inputs[i] = x[0]
             if layer_step is not None:

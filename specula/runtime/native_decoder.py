@@ -1,0 +1,101 @@
+"""A target's decoder layers through the native stack (`specula.kernels.decoder`) where it computes their bits.
+
+An eager step of SmolLM2 in q4_1 spends about half its time in Python around ~60 small torch calls a layer
+(one thread, AMD EPYC: 16.8 ms a one-token step, 7.8 ms of it in the q4_1 matmuls). The native stack makes the same
+calls from C++ in one call per block. It takes a block only where the Python path
+(`specula.runtime.static_cache.decoder_layer_step`) would make exactly those calls: float32 states on a CPU, every
+linear a bias-free `Q4_1Linear` stacked as q/k/v and gate/up, RMS norms and SiLU as in `transformers`' Llama, the
+Llama rotary function, no sliding window or per-head norm, and a block the cached-attention kernel attends (at
+most `KERNEL_ROWS` rows, not a prompt from an empty cache). Anything else runs from Python as before.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from specula.errors import SpeculaError
+from specula.kernels import attention, decoder
+from specula.runtime.quantized_linear import Q4_1Linear
+from specula.runtime.static_cache import (
+    ELEMENTWISE_GRAIN,
+    KERNEL_ROWS,
+    VECTOR_STEP,
+    FusedProjections,
+    StaticKVCache,
+)
+
+# Modules whose norm computes weight * (x * rsqrt(mean(x^2) + eps)) in float32 (`plain_model.RMSNorm` mirrors them).
+NORMS = {"RMSNorm", "LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm"}
+ACTIVATIONS = {"SiLU", "SiLUActivation"}  # torch's, and transformers' (F.silu)
+# Modelling files whose apply_rotary_pos_emb is q * cos + rotate_half(q) * sin with cos, sin unsqueezed at 1.
+ROTARY_MODULES = {"specula.runtime.plain_model", "transformers.models.llama.modeling_llama",
+                  "transformers.models.mistral.modeling_mistral", "transformers.models.qwen2.modeling_qwen2"}
+
+
+class NativeDecoder:
+    """The native stack built from a runtime's layers; `takes` says which blocks it runs."""
+
+    def __init__(self, stack, layer_count: int):
+        self.stack = stack
+        self.layer_count = layer_count
+
+    @classmethod
+    def build(cls, layers: list, fused: list[FusedProjections], windows: list, apply_rope,
+              cache: StaticKVCache) -> NativeDecoder | None:
+        """The stack for these layers (their stacked projections ``fused``), or None where any of them is not one
+        it computes bit for bit, or the native stack or the attention kernel cannot run here."""
+        keys = cache.keys[0]
+        if (decoder.disabled() or keys.device.type != "cpu" or keys.dtype != torch.float32
+                or any(w is not None for w in windows) or getattr(apply_rope, "__module__", None) not in ROTARY_MODULES
+                or attention.kernel() is None):
+            return None
+        weights, sizes, floats = [], [], []
+        shapes = set()
+        for layer, projections in zip(layers, fused, strict=True):
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = [projections.qkv, attn.o_proj, projections.gate_up, getattr(mlp, "down_proj", None)]
+            norms = [layer.input_layernorm, layer.post_attention_layernorm]
+            if (hasattr(attn, "q_norm") or type(getattr(mlp, "act_fn", None)).__name__ not in ACTIVATIONS
+                    or not all(_native_linear(linear) for linear in linears)
+                    or not all(type(norm).__name__ in NORMS and norm.weight.dtype == torch.float32 for norm in norms)
+                    or attn.head_dim % 8 or projections.qkv_sizes[1] != projections.qkv_sizes[2]):
+                return None
+            shapes.add((*projections.qkv_sizes[:2], attn.head_dim, attn.scaling))
+            weights += [norms[0].weight.detach(), norms[1].weight.detach()]
+            for linear in linears:
+                weights += [linear.packed, linear.scales]
+            sizes += [linear.out_features for linear in linears]
+            floats += [float(norms[0].variance_epsilon), float(norms[1].variance_epsilon)]
+        if len(shapes) != 1:
+            return None
+        q_size, kv_size, head_dim, scale = shapes.pop()
+        try:
+            stack_class = decoder.load()
+        except SpeculaError as err:  # a failed build: the layers run from Python, as before
+            print(f"specula: the native decoder is unavailable ({err}); layers run from Python", file=sys.stderr)
+            return None
+        stack = stack_class(weights, [q_size, kv_size, head_dim, VECTOR_STEP, ELEMENTWISE_GRAIN, *sizes],
+                            [float(scale), *floats])
+        return cls(stack, len(layers))
+
+    @staticmethod
+    def takes(rows: int, mask: torch.Tensor | None, causal: bool) -> bool:
+        """Whether a block of ``rows`` goes through the cached-attention kernel in the Python path (so here)."""
+        return rows <= KERNEL_ROWS and not (causal and mask is None)
+
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: StaticKVCache,
+            mask: torch.Tensor | None, capture: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Every layer over x [1, n, H] (cos, sin [1, n, d]; ``mask`` as `block_attention_mask` gives it), the block
+        written after ``cache``'s prefix → (x after the last layer [1, n, H], {layer in ``capture``: its input
+        [n, H]})."""
+        end = cache.open_block(x.shape[1])
+        wanted = sorted(i for i in capture if 0 <= i < self.layer_count)
+        outputs = self.stack.run(x, cos, sin, cache.keys, cache.values, cache.length, torch.tensor(end), mask, wanted)
+        return outputs[0], dict(zip(wanted, outputs[1:], strict=True))
+
+
+def _native_linear(linear) -> bool:
+    return (type(linear) is Q4_1Linear and linear.bias is None and linear.padded_in == linear.in_features
+            and linear.scales.dtype in (torch.float16, torch.float32))

@@ -1,0 +1,79 @@
+"""The native decoder stack computes exactly what the layers compute from Python, and takes only what it can.
+
+Two loads of one target, one with the native stack and one without (``SPECULA_NATIVE_DECODER=0``), run the same
+blocks (chains, a tree, a prompt after a prefix) after the same prompt: logits, final hidden states, the captured
+layer inputs and the keys and values left in the cache must be `torch.equal`, on llama2xs and on the default model
+in q4_1. Formats and layers it does not compute bit for bit keep the Python path.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import LLAMA2XS, STORIES
+
+from specula.kernels import attention, q4_1
+from specula.runtime.forward import FeatureRequest
+from specula.runtime.invariance import tree_block
+from specula.runtime.target import Target
+
+pytestmark = pytest.mark.skipif(q4_1.unavailable_reason() is not None or attention.unavailable_reason() is not None,
+                                reason="the q4_1 and attention kernels are needed")
+
+TREE_PARENTS = [-1, 0, 0, 0, 1, 1, 2, 4, 3]
+
+
+def load_pair(path, monkeypatch) -> tuple[Target, Target]:
+    native = Target.load(path, dtype="float32", weights="q4_1")
+    with monkeypatch.context() as patch:
+        patch.setenv("SPECULA_NATIVE_DECODER", "0")
+        python = Target.load(path, dtype="float32", weights="q4_1")
+        assert python.runtime.native() is None
+    assert native.runtime.native() is not None
+    return native, python
+
+
+def blocks(vocab: int) -> list[tuple[torch.Tensor, torch.Tensor | None, list[int] | None]]:
+    generator = torch.Generator().manual_seed(0)
+    mask, depths = tree_block(TREE_PARENTS)
+    sizes = [1, 2, 4, 11, 22, 23, 64]  # 22+ rows: SiLU in row chunks (`rowwise`) on SmolLM2's 1,536 wide MLP
+    chains = [(torch.randint(3, vocab, (n,), generator=generator), None, None) for n in sizes]
+    return [*chains, (torch.randint(3, vocab, (len(TREE_PARENTS),), generator=generator), mask, depths)]
+
+
+def assert_same_forwards(native: Target, python: Target, capture: tuple[int, ...]) -> None:
+    prompt = torch.randint(3, native.vocab_size, (37,), generator=torch.Generator().manual_seed(1))
+    features = FeatureRequest(final_hidden=True, layer_inputs=capture)
+    for target in (native, python):
+        target.prefill(prompt)
+    for tokens, mask, depths in blocks(native.vocab_size):
+        a = native.forward(tokens, mask, depths, features=features)
+        b = python.forward(tokens, mask, depths, features=features)
+        assert torch.equal(a.logits, b.logits) and torch.equal(a.hidden, b.hidden)
+        assert a.layer_inputs.keys() == b.layer_inputs.keys() == set(capture)
+        assert all(torch.equal(a.layer_inputs[i], b.layer_inputs[i]) for i in capture)
+        for cache_a, cache_b in zip(native.runtime.cache.keys + native.runtime.cache.values,
+                                    python.runtime.cache.keys + python.runtime.cache.values, strict=True):
+            end = native.length + len(tokens)
+            assert torch.equal(cache_a[:, :, :end], cache_b[:, :, :end])
+        # Keep the first block row, as a verify pass that accepted nothing keeps the target's own token.
+        native.commit([0])
+        python.commit([0])
+
+
+def test_llama2xs_in_q4_1_gives_the_python_layers_bits(monkeypatch):
+    native, python = load_pair(LLAMA2XS, monkeypatch)
+    assert_same_forwards(native, python, capture=(0, 2, 4))
+
+
+def test_the_default_model_in_q4_1_gives_the_python_layers_bits(smollm2, monkeypatch):
+    from specula.methods import DEFAULT_TARGET
+
+    native, python = load_pair(DEFAULT_TARGET, monkeypatch)
+    assert_same_forwards(native, python, capture=(1, 15, 28))  # the layers the bundled EAGLE-3 head reads
+
+
+def test_formats_and_layers_it_cannot_reproduce_run_from_python():
+    assert Target.load(LLAMA2XS, dtype="float32", weights="float32").runtime.native() is None
+    # stories260k's MLP is 172 wide: its q4_1 down projection pads its inputs, which the stack does not.
+    assert Target.load(STORIES, dtype="float32", weights="q4_1").runtime.native() is None
