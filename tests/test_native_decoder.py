@@ -3,7 +3,7 @@
 Two loads of one target, one with the native stack and one without (``SPECULA_NATIVE_DECODER=0``), run the same
 blocks (chains, a tree, a prompt after a prefix) after the same prompt: logits, final hidden states, the captured
 layer inputs and the keys and values left in the cache must be `torch.equal`, on llama2xs and on the default model
-in q4_1. Formats and layers it does not compute bit for bit keep the Python path.
+in q4_1; so must the server's packed steps. Formats and layers it does not compute bit for bit keep the Python path.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from conftest import LLAMA2XS, STORIES
 from specula.kernels import attention, q4_1
 from specula.runtime.forward import FeatureRequest
 from specula.runtime.invariance import tree_block
+from specula.runtime.packed import Block, forward_packed
 from specula.runtime.target import Target
 
 pytestmark = pytest.mark.skipif(q4_1.unavailable_reason() is not None or attention.unavailable_reason() is not None,
@@ -77,3 +78,40 @@ def test_formats_and_layers_it_cannot_reproduce_run_from_python():
     assert Target.load(LLAMA2XS, dtype="float32", weights="float32").runtime.native() is None
     # stories260k's MLP is 172 wide: its q4_1 down projection pads its inputs, which the stack does not.
     assert Target.load(STORIES, dtype="float32", weights="q4_1").runtime.native() is None
+
+
+def packed_outputs(base: Target, seed: int):
+    """forward_packed over forks of ``base``: chains of 1, 6 and 3 tokens and a tree, after prompts of several
+    lengths → (outputs, the forks)."""
+    generator = torch.Generator().manual_seed(seed)
+    mask, depths = tree_block(TREE_PARENTS)
+    plans = [(17, 1, None, None), (40, 6, None, None), (30, len(TREE_PARENTS), mask, depths), (9, 3, None, None)]
+    targets, blocks_ = [], []
+    for prefix, n, block_mask, block_depths in plans:
+        target = base.fork()
+        target.prefill(torch.randint(3, base.vocab_size, (prefix,), generator=generator))
+        targets.append(target)
+        blocks_.append(Block(torch.randint(3, base.vocab_size, (n,), generator=generator), block_mask, block_depths,
+                             FeatureRequest(final_hidden=True, layer_inputs=(1,))))
+    return forward_packed(targets, blocks_), targets
+
+
+@pytest.mark.parametrize("model", ["llama2xs", "smollm2"])
+def test_a_packed_step_gives_the_python_layers_bits(model, request, monkeypatch):
+    """The server's packed step (chains in one packed attention call, a tree alone) through the native stack."""
+    if model == "smollm2":
+        from specula.methods import DEFAULT_TARGET
+
+        request.getfixturevalue("smollm2")
+        path = DEFAULT_TARGET
+    else:
+        path = LLAMA2XS
+    native, python = load_pair(path, monkeypatch)
+    (a, forks_a), (b, forks_b) = packed_outputs(native, 3), packed_outputs(python, 3)
+    for out_a, out_b, fork_a, fork_b in zip(a, b, forks_a, forks_b, strict=True):
+        assert torch.equal(out_a.logits, out_b.logits) and torch.equal(out_a.hidden, out_b.hidden)
+        assert torch.equal(out_a.layer_inputs[1], out_b.layer_inputs[1])
+        end = fork_a.length + len(out_a.logits)
+        assert all(torch.equal(x[:, :, :end], y[:, :, :end]) for x, y in
+                   zip(fork_a.runtime.cache.keys + fork_a.runtime.cache.values,
+                       fork_b.runtime.cache.keys + fork_b.runtime.cache.values, strict=True))

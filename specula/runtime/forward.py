@@ -156,12 +156,15 @@ class LlamaFamilyRuntime:
         several sequences; the stacked projections as `refresh_fused` left them; ``logit_rows`` [r]: the only
         block rows whose logits are wanted (None: all); ``layer_step``: a compiled decoder layer
         (`compiled_step.slot_layer_step`) run for every layer of a ``slots`` block instead of `decoder_layer_step`;
-        ``native``: the native stack (`native`), which takes this block, instead of either."""
+        ``native``: the native stack (`native`), which takes this block (every packed one of ``segments``),
+        instead of either."""
         base = self.model.model
         x = base.embed_tokens(tokens[None])
         cos, sin = base.rotary_emb(x, positions[None])
         layer_inputs = {}
-        if native is not None:
+        if native is not None and segments is not None:
+            x, layer_inputs = native.run_packed(x, cos, sin, segments[None], features.layer_inputs)
+        elif native is not None:
             x, layer_inputs = native.run(x, cos, sin, self.cache, masks[None], features.layer_inputs)
         for i, layer in enumerate([] if native is not None else self.layers):
             if i in features.layer_inputs:

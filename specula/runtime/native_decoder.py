@@ -23,6 +23,7 @@ from specula.runtime.static_cache import (
     KERNEL_ROWS,
     VECTOR_STEP,
     FusedProjections,
+    Segment,
     StaticKVCache,
 )
 
@@ -90,9 +91,29 @@ class NativeDecoder:
         """Every layer over x [1, n, H] (cos, sin [1, n, d]; ``mask`` as `block_attention_mask` gives it), the block
         written after ``cache``'s prefix → (x after the last layer [1, n, H], {layer in ``capture``: its input
         [n, H]})."""
-        end = cache.open_block(x.shape[1])
+        cache.open_block(x.shape[1])
         wanted = sorted(i for i in capture if 0 <= i < self.layer_count)
-        outputs = self.stack.run(x, cos, sin, cache.keys, cache.values, cache.length, torch.tensor(end), mask, wanted)
+        outputs = self.stack.run(x, cos, sin, cache.keys, cache.values, cache.length, mask, wanted)
+        return outputs[0], dict(zip(wanted, outputs[1:], strict=True))
+
+    @classmethod
+    def takes_packed(cls, segments: list[Segment]) -> bool:
+        """Whether every sequence's block of a packed forward goes through the attention kernel in the Python path."""
+        return all(cls.takes(s.end - s.start, s.mask, s.causal) for s in segments)
+
+    def run_packed(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: list[Segment],
+                   capture: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """`run` for several sequences' blocks packed in x [1, N, H] (`specula.runtime.packed`), each written after
+        its own cache's prefix and attending over that cache as `static_cache._segments_attention` does."""
+        for s in segments:
+            s.cache.open_block(s.end - s.start)
+        wanted = sorted(i for i in capture if 0 <= i < self.layer_count)
+        keys = [s.cache.keys[i] for i in range(self.layer_count) for s in segments]
+        values = [s.cache.values[i] for i in range(self.layer_count) for s in segments]
+        outputs = self.stack.run_packed(x, cos, sin, keys, values, [s.start for s in segments],
+                                        [s.end for s in segments], [s.cache.length for s in segments],
+                                        [int(s.chain) for s in segments],
+                                        [s.mask for s in segments if not s.chain], wanted)
         return outputs[0], dict(zip(wanted, outputs[1:], strict=True))
 
 

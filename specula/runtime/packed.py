@@ -80,9 +80,13 @@ def forward_packed(targets: list[Target], blocks: list[Block]) -> list[ForwardOu
     logit_rows = torch.cat([torch.arange(s.end - 1 if b.last_logits_only else s.start, s.end, device=device)
                             for s, b in zip(spans, blocks, strict=True)])
     base.refresh_fused()
+    native = base.native()
+    if native is not None and not native.takes_packed(spans):
+        native = None
     tokens = torch.cat([block.tokens.to(device) for block in blocks])
     with prompt_threads(sum(int(b.tokens.shape[0]) for b in blocks if b.last_logits_only), device):
-        out = base.run(tokens, torch.cat(positions), {}, False, wanted, segments=segments, logit_rows=logit_rows)
+        out = base.run(tokens, torch.cat(positions), {}, False, wanted, segments=segments, logit_rows=logit_rows,
+                       native=native)
     outputs, first = [], 0
     for s, block in zip(spans, blocks, strict=True):
         count = 1 if block.last_logits_only else s.end - s.start
