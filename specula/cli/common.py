@@ -139,7 +139,8 @@ COMPILE_HELP = ("compile the target's decode and verify steps with torch.compile
                 "decoder layer's graph per block size, built once (~15 s for the first size on a small CPU, a few "
                 "seconds for each next one: ~50 s for the 13 sizes up to 16 tokens) and read back from the cache "
                 "after (~6 s at start); on a CPU with q4_1 weights the eager steps already run every layer from "
-                "C++ (the native decoder stack) as fast as compiled ones (measured): compile for other formats and devices")
+                "C++ (the native decoder stack) as fast as compiled ones (measured): compile for other formats and "
+                "devices")
 
 
 def add_compile_argument(p: argparse.ArgumentParser, default: bool | None = False) -> None:
