@@ -16,8 +16,8 @@ fi
 # The CPU kernels (the q4_1 weight format's matmul, about 30 s; attention over the KV cache, about 20 s) are
 # compiled here once, not in the user's first run. A machine without AVX2 or a C++ compiler goes without them
 # (one line each says why): no q4_1 format, and attention through torch's SDPA.
-.venv/bin/python -m specula.kernels.q4_1
-# (through -c: `import specula` itself imports the attention module, which `-m` would then run a second time)
+# (through -c: `import specula` itself imports the kernel modules, which `-m` would then run a second time)
+.venv/bin/python -c 'from specula.kernels import q4_1; print(q4_1.build_report())'
 .venv/bin/python -c 'from specula.kernels import attention; print(attention.build_report())'
 # The row-invariant float32 matmul (about 20 s): without it float32 linears go through the BLAS.
 .venv/bin/python -c 'from specula.kernels import float32; print(float32.build_report())'

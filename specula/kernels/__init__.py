@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -110,3 +111,16 @@ def build(kernel: str, source: Path, flags: list[str]) -> None:
         raise SpeculaError(f"could not build the {kernel} kernel in {directory} "
                            f"(the compiler's output: {log})") from err
     atomic_write_bytes(recipe_file, recipe.encode())
+
+
+def kernel_report(kernel: str, load: Callable[[], object], without: str) -> str:
+    """Build ``kernel`` now through its ``load`` if this machine has no build, and say what happened in one line
+    (`scripts/install.sh` prints it); ``without``: what runs where it cannot be built."""
+    reason = avx2_build_problem(kernel)
+    if reason is None:
+        try:
+            load()
+            return f"{kernel} kernel ready in {build_directory(kernel)}"
+        except SpeculaError as err:
+            reason = str(err)
+    return f"{kernel} kernel unavailable on this machine ({without}): {reason}"

@@ -22,8 +22,7 @@ from pathlib import Path
 import torch
 
 from specula.errors import SpeculaError
-from specula.kernels import avx2_build_problem, build
-from specula.kernels import build_directory as kernel_directory
+from specula.kernels import avx2_build_problem, build, kernel_report
 
 SOURCE = Path(__file__).with_name("attention.cpp")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"]
@@ -76,11 +75,7 @@ def packed() -> torch._ops.OpOverloadPacket | None:
 
 def build_report() -> str:
     """Build the kernel now if this machine has no build, and say what happened (`scripts/install.sh` prints it)."""
-    try:
-        load()
-        return f"attention kernel ready in {kernel_directory('attention')}"
-    except SpeculaError as err:
-        return f"attention kernel unavailable on this machine (SDPA instead): {err}"
+    return kernel_report("attention", load, "SDPA instead")
 
 
 if __name__ == "__main__":

@@ -15,8 +15,7 @@ from pathlib import Path
 
 import torch
 
-from specula.errors import SpeculaError
-from specula.kernels import attention, build, build_directory, q4_1
+from specula.kernels import attention, build, kernel_report, q4_1
 
 SOURCE = Path(__file__).with_name("decoder.cpp")
 FLAGS = ["-O3", "-ffp-contract=off"]
@@ -39,11 +38,7 @@ def load() -> type:
 
 def build_report() -> str:
     """Build the stack now if this machine has no build, and say what happened (`scripts/install.sh` prints it)."""
-    try:
-        load()
-        return f"native decoder ready in {build_directory('decoder')}"
-    except SpeculaError as err:
-        return f"native decoder unavailable on this machine (layers run from Python): {err}"
+    return kernel_report("decoder", load, "the layers run from Python")
 
 
 if __name__ == "__main__":

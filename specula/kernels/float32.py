@@ -21,8 +21,7 @@ from pathlib import Path
 import torch
 
 from specula.errors import SpeculaError
-from specula.kernels import avx2_build_problem, build
-from specula.kernels import build_directory as kernel_directory
+from specula.kernels import avx2_build_problem, build, kernel_report
 
 SOURCE = Path(__file__).with_name("float32.cpp")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"]
@@ -61,11 +60,4 @@ def kernel() -> torch._ops.OpOverloadPacket | None:
 
 def build_report() -> str:
     """Build the kernel now if this machine has no build, and say what happened (`scripts/install.sh` prints it)."""
-    reason = avx2_build_problem("float32")
-    if reason is not None:
-        return f"float32 kernel unavailable on this machine (float32 linears through the BLAS): {reason}"
-    try:
-        load()
-        return f"float32 kernel ready in {kernel_directory('float32')}"
-    except SpeculaError as err:
-        return f"float32 kernel unavailable on this machine (float32 linears through the BLAS): {err}"
+    return kernel_report("float32", load, "float32 linears through the BLAS")

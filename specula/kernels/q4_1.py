@@ -22,8 +22,7 @@ from pathlib import Path
 
 import torch
 
-from specula.errors import SpeculaError
-from specula.kernels import avx2_build_problem, build
+from specula.kernels import avx2_build_problem, build, kernel_report
 from specula.kernels import build_directory as kernel_directory
 
 SOURCE = Path(__file__).with_name("q4_1.cpp")
@@ -115,9 +114,6 @@ def unpack(packed: torch.Tensor, scales: torch.Tensor, n: int) -> tuple[torch.Te
     return codes, d, m
 
 
-if __name__ == "__main__":  # `python -m specula.kernels.q4_1`: build now (scripts/install.sh), say what happened
-    try:
-        load()
-        print(f"q4_1 kernel ready in {build_directory()}")
-    except SpeculaError as err:
-        print(f"q4_1 weights unavailable on this machine: {err}")
+def build_report() -> str:
+    """Build the kernel now if this machine has no build, and say what happened (`scripts/install.sh` prints it)."""
+    return kernel_report("q4_1", load, "no q4_1 weights format")
