@@ -7,14 +7,16 @@
 //
 // Why: an eager SmolLM2 step in q4_1 is ~60 small torch calls per layer from Python, 30 layers, ~9 ms of a 17 ms
 // one-token step around ~8 ms of matmuls. Here each layer is the same ATen calls in the same order on the same
-// tensors (the norm's pow/mean/rsqrt/mul, the q/k/v split, rotary's mul/neg/cat/add, the cache write, SiLU cut
-// into the same row chunks, the residual adds) and the same q4_1 and cached-attention ops, called from C++: every
-// output bit equals the Python path's (`specula.runtime.native_decoder` holds the conditions; tests pin it).
+// tensors (the norm's pow and mean, the q/k/v split, the cache write, SiLU cut into the same row chunks, the residual
+// adds) and the same q4_1 and cached-attention ops, called from C++; the norm's elementwise tail and rotary are plain
+// loops doing each element's ATen arithmetic (one rounding per operation). Every output bit equals the Python
+// path's (`specula.runtime.native_decoder` holds the conditions; tests pin it).
 #include <torch/extension.h>
 #include <torch/custom_class.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include <algorithm>
+#include <cmath>
 #include <optional>
 #include <vector>
 
@@ -59,15 +61,47 @@ at::Tensor linear(const at::Tensor& x, const Q4_1Weight& w) {
   return q4_1_linear().call(rows, w.packed, w.scales, w.outputs).reshape(shape);
 }
 
-// RMSNorm in float32 as transformers' Llama norm computes it: weight * (x * rsqrt(mean(x^2) + eps)).
+// RMSNorm in float32 as transformers' Llama norm computes it: weight * (x * rsqrt(mean(x^2) + eps)). The mean is
+// ATen's (its reduction order is the one to match); the rest is one loop doing what ATen's add, rsqrt and two muls do
+// to each element, each rounded once (IEEE float, no contraction: -ffp-contract=off), so the bits are theirs.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  const at::Tensor variance = at::mean(x.pow(2), at::IntArrayRef{-1}, /*keepdim=*/true);
-  return weight * (x * at::rsqrt(variance + eps));
+  const at::Tensor variance = at::mean(x.pow(2), at::IntArrayRef{-1}, /*keepdim=*/true).contiguous();
+  const at::Tensor input = x.contiguous();
+  const int64_t width = input.size(-1), rows = input.numel() / width;
+  at::Tensor result = at::empty_like(input);
+  const float *in = input.data_ptr<float>(), *var = variance.data_ptr<float>(), *w = weight.data_ptr<float>();
+  float* out = result.data_ptr<float>();
+  const float epsilon = static_cast<float>(eps);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float scale = 1.0f / std::sqrt(var[r] + epsilon);
+    for (int64_t j = 0; j < width; ++j) {
+      const float normed = in[r * width + j] * scale;
+      out[r * width + j] = w[j] * normed;
+    }
+  }
+  return result;
 }
 
-at::Tensor rotate_half(const at::Tensor& x) {
-  const int64_t d = x.size(-1), half = d / 2;
-  return at::cat({at::neg(x.narrow(-1, half, d - half)), x.narrow(-1, 0, half)}, -1);
+// Rotary position embedding of x [1, heads, n, d] (any strides, the head dimension contiguous) by cos, sin [n, d]
+// (contiguous): x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x[..., d/2:], x[..., :d/2]), each product and
+// the sum rounded once, as ATen's mul, neg, cat and add give them. Returns a contiguous [1, heads, n, d].
+at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t heads = x.size(1), n = x.size(2), d = x.size(3), half = d / 2;
+  at::Tensor result = at::empty({1, heads, n, d}, x.options());
+  const float *in = x.data_ptr<float>(), *c = cos.data_ptr<float>(), *s = sin.data_ptr<float>();
+  float* out = result.data_ptr<float>();
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t i = 0; i < n; ++i) {
+      const float* row = in + h * x.stride(1) + i * x.stride(2);
+      float* target = out + (h * n + i) * d;
+      for (int64_t j = 0; j < d; ++j) {
+        const float rotated = j < half ? -row[j + half] : row[j - half];
+        const float a = row[j] * c[i * d + j];
+        const float b = rotated * s[i * d + j];
+        target[j] = a + b;
+      }
+    }
+  return result;
 }
 
 struct DecoderStack : torch::CustomClassHolder {
@@ -125,9 +159,8 @@ struct DecoderStack : torch::CustomClassHolder {
     const int64_t n = x.size(1);
     const at::Tensor h = rms_norm(x, input_norms[i], input_eps[i]);
     const std::vector<at::Tensor> parts = linear(h, qkv[i]).split_with_sizes({q_size, kv_size, kv_size}, -1);
-    const at::Tensor q = parts[0].view({1, n, -1, head_dim}).transpose(1, 2);
-    const at::Tensor k = parts[1].view({1, n, -1, head_dim}).transpose(1, 2);
-    return {q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin,
+    return {rotate(parts[0].view({1, n, -1, head_dim}).transpose(1, 2), cos, sin),
+            rotate(parts[1].view({1, n, -1, head_dim}).transpose(1, 2), cos, sin),
             parts[2].view({1, n, -1, head_dim}).transpose(1, 2)};
   }
 
@@ -153,13 +186,14 @@ struct DecoderStack : torch::CustomClassHolder {
                               std::vector<at::Tensor> values, int64_t length, std::optional<at::Tensor> mask,
                               std::vector<int64_t> capture) {
     TORCH_CHECK(keys.size() == qkv.size() && values.size() == qkv.size(), "DecoderStack.run: one cache per layer");
-    const at::Tensor cos4 = cos.unsqueeze(1), sin4 = sin.unsqueeze(1);
+    const at::Tensor cos2 = cos.reshape({-1, cos.size(-1)}).contiguous();
+    const at::Tensor sin2 = sin.reshape({-1, sin.size(-1)}).contiguous();
     const int64_t end = length + x.size(1);
     std::vector<at::Tensor> outputs(1);
     for (size_t i = 0; i < qkv.size(); ++i) {
       if (std::find(capture.begin(), capture.end(), static_cast<int64_t>(i)) != capture.end())
         outputs.push_back(x.select(0, 0));
-      const std::vector<at::Tensor> p = project(i, x, cos4, sin4);
+      const std::vector<at::Tensor> p = project(i, x, cos2, sin2);
       x = finish(i, x, attend(p[0], p[1], p[2], keys[i], values[i], length, end, mask));
     }
     outputs[0] = x;
@@ -179,7 +213,8 @@ struct DecoderStack : torch::CustomClassHolder {
     TORCH_CHECK(keys.size() == qkv.size() * sequences && values.size() == keys.size() && ends.size() == sequences &&
                     lengths.size() == sequences && chains.size() == sequences,
                 "DecoderStack.run_packed: per sequence a start, end, length, chain flag and a cache per layer");
-    const at::Tensor cos4 = cos.unsqueeze(1), sin4 = sin.unsqueeze(1);
+    const at::Tensor cos2 = cos.reshape({-1, cos.size(-1)}).contiguous();
+    const at::Tensor sin2 = sin.reshape({-1, sin.size(-1)}).contiguous();
     std::vector<int64_t> chain_starts, chain_ends, chain_lengths;
     for (size_t s = 0; s < sequences; ++s)
       if (chains[s]) chain_starts.push_back(starts[s]), chain_ends.push_back(ends[s]), chain_lengths.push_back(lengths[s]);
@@ -187,7 +222,7 @@ struct DecoderStack : torch::CustomClassHolder {
     for (size_t i = 0; i < qkv.size(); ++i) {
       if (std::find(capture.begin(), capture.end(), static_cast<int64_t>(i)) != capture.end())
         outputs.push_back(x.select(0, 0));
-      const std::vector<at::Tensor> p = project(i, x, cos4, sin4);
+      const std::vector<at::Tensor> p = project(i, x, cos2, sin2);
       std::vector<at::Tensor> chain_keys, chain_values, alone;
       size_t tree = 0;
       for (size_t s = 0; s < sequences; ++s) {
