@@ -16,6 +16,7 @@ from specula.kernels import attention, q4_1
 from specula.runtime.forward import FeatureRequest
 from specula.runtime.invariance import tree_block
 from specula.runtime.packed import Block, forward_packed
+from specula.runtime.quantized_linear import Q4_1Linear
 from specula.runtime.target import Target
 
 pytestmark = pytest.mark.skipif(q4_1.unavailable_reason() is not None or attention.unavailable_reason() is not None,
@@ -115,3 +116,15 @@ def test_a_packed_step_gives_the_python_layers_bits(model, request, monkeypatch)
         assert all(torch.equal(x[:, :, :end], y[:, :, :end]) for x, y in
                    zip(fork_a.runtime.cache.keys + fork_a.runtime.cache.values,
                        fork_b.runtime.cache.keys + fork_b.runtime.cache.values, strict=True))
+
+
+def test_a_layer_whose_linear_is_replaced_is_run_with_the_new_one(monkeypatch):
+    """The stack holds the linears it was built from: a replaced one (any of the seven) rebuilds it."""
+    native, python = load_pair(LLAMA2XS, monkeypatch)
+    before = native.runtime.native()
+    torch.manual_seed(0)
+    replacement = torch.nn.Linear(64, 64, bias=False)
+    for target in (native, python):
+        target.model.model.layers[2].self_attn.o_proj = Q4_1Linear.from_linear(replacement)
+    assert_same_forwards(native, python, capture=())
+    assert native.runtime.native() not in (None, before)

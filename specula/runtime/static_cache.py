@@ -242,11 +242,14 @@ class FusedProjections:
     def _sources(layer: nn.Module) -> tuple:
         # Read from the modules' own tables, not through nn.Module.__getattr__: every forward asks (`built_from`),
         # and 30 layers' attribute lookups cost ~0.2 ms a step.
+        # o and down are not stacked, but the native stack (`specula.runtime.native_decoder`) holds them too and is
+        # rebuilt with these.
         attn, mlp = layer._modules["self_attn"]._modules, layer._modules["mlp"]._modules
-        return attn["q_proj"], attn["k_proj"], attn["v_proj"], mlp.get("gate_proj"), mlp.get("up_proj")
+        return (attn["q_proj"], attn["k_proj"], attn["v_proj"], attn["o_proj"], mlp.get("gate_proj"),
+                mlp.get("up_proj"), mlp.get("down_proj"))
 
     def built_from(self, layer: nn.Module) -> bool:
-        """Whether ``layer`` still holds the linears these were stacked from (not replaced, e.g. requantized)."""
+        """Whether ``layer`` still holds the linears these were built from (not replaced, e.g. requantized)."""
         return self.sources == self._sources(layer)
 
 
