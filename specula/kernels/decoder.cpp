@@ -182,22 +182,32 @@ struct DecoderStack : torch::CustomClassHolder {
                                    at::scalar_tensor(end, at::kLong), scale);
   }
 
-  std::vector<at::Tensor> run(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> keys,
-                              std::vector<at::Tensor> values, int64_t length, std::optional<at::Tensor> mask,
-                              std::vector<int64_t> capture) {
-    TORCH_CHECK(keys.size() == qkv.size() && values.size() == qkv.size(), "DecoderStack.run: one cache per layer");
+  // Every layer over x [1, n, H] with cos, sin [1, n, d]: the input of each layer in ``capture`` is kept, and
+  // ``attention(i, q, k, v)`` gives layer i's attention output [1, H, n, d] → [x after the last layer, the inputs].
+  template <typename Attention>
+  std::vector<at::Tensor> layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
+                                 const std::vector<int64_t>& capture, Attention attention) const {
     const at::Tensor cos2 = cos.reshape({-1, cos.size(-1)}).contiguous();
     const at::Tensor sin2 = sin.reshape({-1, sin.size(-1)}).contiguous();
-    const int64_t end = length + x.size(1);
     std::vector<at::Tensor> outputs(1);
     for (size_t i = 0; i < qkv.size(); ++i) {
       if (std::find(capture.begin(), capture.end(), static_cast<int64_t>(i)) != capture.end())
         outputs.push_back(x.select(0, 0));
       const std::vector<at::Tensor> p = project(i, x, cos2, sin2);
-      x = finish(i, x, attend(p[0], p[1], p[2], keys[i], values[i], length, end, mask));
+      x = finish(i, x, attention(i, p[0], p[1], p[2]));
     }
     outputs[0] = x;
     return outputs;
+  }
+
+  std::vector<at::Tensor> run(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> keys,
+                              std::vector<at::Tensor> values, int64_t length, std::optional<at::Tensor> mask,
+                              std::vector<int64_t> capture) {
+    TORCH_CHECK(keys.size() == qkv.size() && values.size() == qkv.size(), "DecoderStack.run: one cache per layer");
+    const int64_t end = length + x.size(1);
+    return layers(x, cos, sin, capture, [&](size_t i, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+      return attend(q, k, v, keys[i], values[i], length, end, mask);
+    });
   }
 
   // Several sequences' blocks packed in x [1, N, H]: sequence s holds rows [starts[s], ends[s]) after the first
@@ -213,43 +223,31 @@ struct DecoderStack : torch::CustomClassHolder {
     TORCH_CHECK(keys.size() == qkv.size() * sequences && values.size() == keys.size() && ends.size() == sequences &&
                     lengths.size() == sequences && chains.size() == sequences,
                 "DecoderStack.run_packed: per sequence a start, end, length, chain flag and a cache per layer");
-    const at::Tensor cos2 = cos.reshape({-1, cos.size(-1)}).contiguous();
-    const at::Tensor sin2 = sin.reshape({-1, sin.size(-1)}).contiguous();
     std::vector<int64_t> chain_starts, chain_ends, chain_lengths;
     for (size_t s = 0; s < sequences; ++s)
       if (chains[s]) chain_starts.push_back(starts[s]), chain_ends.push_back(ends[s]), chain_lengths.push_back(lengths[s]);
-    std::vector<at::Tensor> outputs(1);
-    for (size_t i = 0; i < qkv.size(); ++i) {
-      if (std::find(capture.begin(), capture.end(), static_cast<int64_t>(i)) != capture.end())
-        outputs.push_back(x.select(0, 0));
-      const std::vector<at::Tensor> p = project(i, x, cos2, sin2);
+    return layers(x, cos, sin, capture, [&](size_t i, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
       std::vector<at::Tensor> chain_keys, chain_values, alone;
       size_t tree = 0;
       for (size_t s = 0; s < sequences; ++s) {
-        const at::Tensor &k = keys[i * sequences + s], &v = values[i * sequences + s];
+        const at::Tensor &keys_s = keys[i * sequences + s], &values_s = values[i * sequences + s];
         if (chains[s]) {
-          chain_keys.push_back(k), chain_values.push_back(v);
+          chain_keys.push_back(keys_s), chain_values.push_back(values_s);
           continue;
         }
         const int64_t n = ends[s] - starts[s];
         TORCH_CHECK(tree < masks.size(), "DecoderStack.run_packed: a mask for every block that is not a chain");
-        alone.push_back(attend(p[0].narrow(2, starts[s], n), p[1].narrow(2, starts[s], n), p[2].narrow(2, starts[s], n),
-                               k, v, lengths[s], lengths[s] + n, masks[tree++]));
+        alone.push_back(attend(q.narrow(2, starts[s], n), k.narrow(2, starts[s], n), v.narrow(2, starts[s], n),
+                               keys_s, values_s, lengths[s], lengths[s] + n, masks[tree++]));
       }
-      at::Tensor attended;
-      if (chain_keys.empty()) {
-        attended = at::cat(alone, 2);
-      } else {
-        attended = packed_attention().call(p[0], p[1], p[2], chain_keys, chain_values, chain_starts, chain_ends,
-                                           chain_lengths, scale);
-        size_t next = 0;
-        for (size_t s = 0; s < sequences; ++s)
-          if (!chains[s]) attended.narrow(2, starts[s], ends[s] - starts[s]).copy_(alone[next++]);
-      }
-      x = finish(i, x, attended);
-    }
-    outputs[0] = x;
-    return outputs;
+      if (chain_keys.empty()) return at::cat(alone, 2);
+      at::Tensor attended = packed_attention().call(q, k, v, chain_keys, chain_values, chain_starts, chain_ends,
+                                                    chain_lengths, scale);
+      size_t next = 0;
+      for (size_t s = 0; s < sequences; ++s)
+        if (!chains[s]) attended.narrow(2, starts[s], ends[s] - starts[s]).copy_(alone[next++]);
+      return attended;
+    });
   }
 };
 

@@ -161,21 +161,22 @@ class LlamaFamilyRuntime:
         base = self.model.model
         x = base.embed_tokens(tokens[None])
         cos, sin = base.rotary_emb(x, positions[None])
-        layer_inputs = {}
         if native is not None and segments is not None:
             x, layer_inputs = native.run_packed(x, cos, sin, segments[None], features.layer_inputs)
         elif native is not None:
             x, layer_inputs = native.run(x, cos, sin, self.cache, masks[None], features.layer_inputs)
-        for i, layer in enumerate([] if native is not None else self.layers):
-            if i in features.layer_inputs:
-                layer_inputs[i] = x[0]
-            if layer_step is not None:
-                x = layer_step(layer, self.fused[i], x, cos, sin, self.cache.keys[i], self.cache.values[i],
-                               masks[None], slots, self.apply_rope)
-                continue
-            window = self.windows[i]
-            x = decoder_layer_step(layer, x, cos, sin, self.cache, i, masks.get(window), causal, self.apply_rope,
-                                   fused=self.fused[i], slots=slots, segments=segments and segments[window])
+        else:
+            layer_inputs = {}
+            for i, layer in enumerate(self.layers):
+                if i in features.layer_inputs:
+                    layer_inputs[i] = x[0]
+                if layer_step is not None:
+                    x = layer_step(layer, self.fused[i], x, cos, sin, self.cache.keys[i], self.cache.values[i],
+                                   masks[None], slots, self.apply_rope)
+                    continue
+                window = self.windows[i]
+                x = decoder_layer_step(layer, x, cos, sin, self.cache, i, masks.get(window), causal, self.apply_rope,
+                                       fused=self.fused[i], slots=slots, segments=segments and segments[window])
         hidden = base.norm(x)[0]
         logits = self.model.lm_head(hidden if logit_rows is None else hidden[logit_rows])
         return ForwardOutput(logits, hidden if features.final_hidden else None, layer_inputs)

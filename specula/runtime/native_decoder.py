@@ -98,9 +98,8 @@ class NativeDecoder:
         written after ``cache``'s prefix → (x after the last layer [1, n, H], {layer in ``capture``: its input
         [n, H]})."""
         cache.open_block(x.shape[1])
-        wanted = sorted(i for i in capture if 0 <= i < self.layer_count)
-        outputs = self.stack.run(x, cos, sin, cache.keys, cache.values, cache.length, mask, wanted)
-        return outputs[0], dict(zip(wanted, outputs[1:], strict=True))
+        wanted = self._wanted(capture)
+        return self._split(self.stack.run(x, cos, sin, cache.keys, cache.values, cache.length, mask, wanted), wanted)
 
     @classmethod
     def takes_packed(cls, segments: list[Segment]) -> bool:
@@ -113,13 +112,22 @@ class NativeDecoder:
         its own cache's prefix and attending over that cache as `static_cache._segments_attention` does."""
         for s in segments:
             s.cache.open_block(s.end - s.start)
-        wanted = sorted(i for i in capture if 0 <= i < self.layer_count)
+        wanted = self._wanted(capture)
         keys = [s.cache.keys[i] for i in range(self.layer_count) for s in segments]
         values = [s.cache.values[i] for i in range(self.layer_count) for s in segments]
         outputs = self.stack.run_packed(x, cos, sin, keys, values, [s.start for s in segments],
                                         [s.end for s in segments], [s.cache.length for s in segments],
                                         [int(s.chain) for s in segments],
                                         [s.mask for s in segments if not s.chain], wanted)
+        return self._split(outputs, wanted)
+
+    def _wanted(self, capture: tuple[int, ...]) -> list[int]:
+        """The layers whose inputs the stack keeps, in order (a request may name layers the target lacks)."""
+        return sorted(i for i in capture if 0 <= i < self.layer_count)
+
+    @staticmethod
+    def _split(outputs: list[torch.Tensor], wanted: list[int]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """The stack's [x, inputs of ``wanted``...] → (x, {layer: its input})."""
         return outputs[0], dict(zip(wanted, outputs[1:], strict=True))
 
 
