@@ -1,9 +1,10 @@
 """A target's decoder layers through the native stack (`specula.kernels.decoder`) where it computes their bits.
 
 An eager step of SmolLM2 in q4_1 spends about half its time in Python around ~60 small torch calls a layer
-(one thread, AMD EPYC: 16.8 ms a one-token step, 7.8 ms of it in the q4_1 matmuls). The native stack makes the same
-calls from C++ in one call per block. It takes a block only where the Python path
-(`specula.runtime.static_cache.decoder_layer_step`) would make exactly those calls: float32 states on a CPU, every
+(one thread, AMD EPYC: 16.8 ms a one-token step, 7.8 ms of it in the q4_1 matmuls). The native stack computes the
+same arithmetic from C++ in one call per block: the same q4_1, attention, mean and SiLU ops, the rest as plain loops
+(`decoder.cpp` says which). It takes a block only where the Python path
+(`specula.runtime.static_cache.decoder_layer_step`) would compute exactly that: float32 states on a CPU, every
 linear a bias-free `Q4_1Linear` stacked as q/k/v and gate/up, RMS norms and SiLU as in `transformers`' Llama, the
 Llama rotary function, no sliding window or per-head norm, and a block the cached-attention kernel attends (at
 most `KERNEL_ROWS` rows, not a prompt from an empty cache). Anything else runs from Python as before.
