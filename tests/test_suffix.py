@@ -196,6 +196,19 @@ def test_concurrent_writers_and_readers_keep_the_cap():
     assert 0 < corpus.nodes <= 500
 
 
+def test_cycles_without_a_draft_defer_the_indexing_and_change_no_later_draft():
+    text = [1, 2, 3, 4, 9, 1, 2, 3, 4, 7, 1, 2, 3, 5, 1, 2, 3]
+    always, idle = build_suffix_drafter(), build_suffix_drafter()
+    for end in range(2, len(text)):  # a server at a large batch: no draft for these cycles
+        always.propose(torch.tensor(text[:end]), 4, GREEDY, None)
+        assert idle.propose(torch.tensor(text[:end]), 0, GREEDY, None).tokens.tolist() == [text[end - 1]]
+    assert idle.index.nodes == 0  # nothing indexed while nothing was drafted
+    context = torch.tensor(text)
+    late, usual = idle.propose(context, 4, GREEDY, None), always.propose(context, 4, GREEDY, None)
+    assert late.tokens.tolist() == usual.tokens.tolist() and late.kind == usual.kind
+    assert idle.index.nodes == always.index.nodes
+
+
 def test_bad_options_are_one_error_before_anything_loads():
     with pytest.raises(SpeculaError, match="max-match"):
         check_options("suffix", {"max_match": 0})

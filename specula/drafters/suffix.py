@@ -78,7 +78,7 @@ class SuffixDrafter:
     def _reset(self) -> None:
         self.index = SuffixTrie(self.depth)  # this generation's prompt and answer so far
         self._open: list = []  # the index's nodes of the newest 1, 2, … tokens (`SuffixTrie.extend`)
-        self._indexed = 0  # context tokens in the index
+        self._indexed = 0  # context tokens in the index (the first ones of _text)
         self._prompt_length = 0
         self._text: list[int] = []  # the context as ids, for the corpus at the generation's end
 
@@ -93,14 +93,15 @@ class SuffixDrafter:
                 generator: torch.Generator | None) -> DraftTree:
         """A point-mass tree rooted at ``context[-1]`` ([T] ids so far) from the better of the two indexes."""
         root = int(context[-1])
-        if len(context) < self._indexed:  # not the generation this index holds: start over
+        if len(context) < len(self._text):  # not the generation this index holds: start over
             self._reset()
-        new = context[self._indexed:].tolist()
-        self._text.extend(new)
-        self._open = self.index.extend(self._open, new)
-        self._indexed = len(context)
+        self._text.extend(context[len(self._text):].tolist())
         if max_depth <= 0:
+            # No draft this cycle (a server's budget at a large batch): the index catches up when drafting resumes,
+            # so a sequence that never drafts never pays ~50 us a token for it.
             return DraftTree.root_only(root, device=context.device)
+        self._open = self.index.extend(self._open, self._text[self._indexed:])
+        self._indexed = len(self._text)
         draft = {"budget": self.num_tokens, "max_depth": max_depth, "min_prob": self.min_prob,
                  "spec_factor": self.spec_factor, "tree": self.tree}
         best, source = best_continuations(self._open[:self.max_match], **draft), "conversation"
