@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from specula import openmp
 from specula.api import Speculator
 from specula.drafters.ada import build_ada_drafter
 from specula.drafters.answer_corpus import AnswerCorpus, load_answers
@@ -386,13 +387,15 @@ def load(*args: Any, threads: int | None | str = "auto", **kwargs: Any) -> Specu
     two decoded SmolLM2 q4_1 at 40 tokens/s and one at 59, with Specula's passive OpenMP waiting:
     docs/defaults.md, "Threads"; elsewhere torch's setting is kept), an int that many, None leaves torch's setting.
     """
-    if threads == "auto":
+    chosen_here = threads == "auto"
+    if chosen_here:
         threads = default_threads()
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise SpeculaError(f"threads must be a whole number >= 1, 'auto' or None, got {threads!r}")
     speculator = build_speculator(*args, **kwargs)
     if threads is not None:
         torch.set_num_threads(threads)
+    openmp.auto_threads = chosen_here
     return speculator
 
 

@@ -23,6 +23,10 @@ ONE_THREAD_UP_TO_CPUS = 2
 # Whether `wait_passively_unless_chosen` set OMP_WAIT_POLICY itself (then the user's environment had none).
 set_by_specula = False
 
+# Whether Specula chose the thread count itself (`default_threads`, for the command line without --threads or
+# ``specula.load(threads="auto")``): then a decode step may run on more (`specula.runtime.decode_threads`).
+auto_threads = False
+
 
 def few_cpus(cpus: int | None = None) -> bool:
     """Whether the machine has at most `ONE_THREAD_UP_TO_CPUS` CPUs (``cpus``, default `os.cpu_count`)."""

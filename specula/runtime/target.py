@@ -21,6 +21,7 @@ from specula.errors import SpeculaError
 from specula.kernels import has_cpp_compiler
 from specula.openmp import few_cpus
 from specula.runtime.compiled_step import CompiledStep, warm_up_blocks
+from specula.runtime.decode_threads import decode_threads
 from specula.runtime.forward import (
     LLAMA_FAMILY,
     FeatureRequest,
@@ -38,6 +39,8 @@ DEFAULT_MAX_CACHE = 8192
 # prompts of 8 / 16 / 32 / 64 / 128 tokens, best of 3 in 3 rounds: 20-25 / 27-28 / 42-43 / 72-73 / 141-151 ms on one
 # thread, 16 / 20-22 / 30-31 / 47-57 / 87-88 ms on two (2-core AMD EPYC, passive waiting).
 PROMPT_THREADS_FROM = 8
+# Blocks of at most this many rows (decode and verify steps) run on the threads `decode_threads` times.
+DECODE_ROWS = 64
 
 __all__ = ["FeatureRequest", "ForwardOutput", "Target"]  # the forward's types, as Target's signatures use them
 
@@ -165,7 +168,8 @@ class Target:
             positions = torch.arange(self.length, self.length + n, device=self.device)
         else:
             positions = self.length + torch.as_tensor(depths, device=self.device)
-        with prompt_threads(n if last_logits_only else 0, self.device):
+        steps = decode_threads(self.device) if n <= DECODE_ROWS and not last_logits_only else contextlib.nullcontext()
+        with prompt_threads(n if last_logits_only else 0, self.device), steps:
             return self.runtime.forward(tokens.to(self.device), positions, block_mask, features, last_logits_only)
 
     @torch.no_grad()  # not inference_mode: trainers feed these features to autograd

@@ -1,0 +1,91 @@
+"""How many threads a decode step runs on, where Specula chose the count itself: measured, not assumed.
+
+On a machine of at most two CPUs Specula decodes on one thread (`specula.openmp.default_threads`): a step of many
+small operations paid more for waking a second thread than it gained, and a second thread collapses as soon as
+another process wants the core. Since the native decoder stack (`specula.runtime.native_decoder`) makes a step a few
+large calls, an idle 2-core AMD EPYC decodes SmolLM2 q4_1 1.45x faster on two threads (vanilla 131-140 against 92-93
+tokens/s, suffix 206-231 against 159-162), while beside one busy process two threads run 2.5-3x slower than one
+(32-34 against 79-94). Which holds depends on the machine's load, which changes, so each option is timed on the
+steps themselves: `PROBE` steps on each, in turn step after step, then the faster (by median step time) for
+`RECHECK` steps before both are timed again. Every kernel computes each output on one thread in a fixed order,
+so the tokens do not depend on the choice (`tests/test_decode_threads.py`).
+
+Only where Specula chose the thread count (`specula.openmp.auto_threads`: the command line without ``--threads``,
+``specula.load(threads="auto")``), on a CPU target of a machine of at most two CPUs, without ``OMP_NUM_THREADS``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+
+import torch
+
+from specula import openmp
+
+PROBE = 8  # steps timed on an option each time it is tried
+RECHECK = 256  # steps on the faster option before the other is timed again
+
+
+class DecodeThreads:
+    """Chooses between ``options`` (thread counts) by timing the steps run on each (see the module)."""
+
+    def __init__(self, options: tuple[int, ...], probe: int = PROBE, recheck: int = RECHECK,
+                 clock: Callable[[], float] = time.perf_counter):
+        self.options, self.probe, self.recheck, self.clock = options, probe, recheck, clock
+        self.times = {option: deque(maxlen=probe) for option in options}
+        self.chosen = options[0]
+        self._plan: deque[int] = deque(self._probe())
+
+    def _probe(self) -> list[int]:
+        # The options in turn, step after step: consecutive steps verify blocks of like sizes, so each option's
+        # median describes the same mix of blocks.
+        return [option for _ in range(self.probe) for option in self.options]
+
+    def next_option(self) -> int:
+        """The thread count for the next step."""
+        if not self._plan:
+            self.chosen = min(self.options, key=self._median)
+            self._plan.extend([self.chosen] * self.recheck + self._probe())
+        return self._plan.popleft()
+
+    def record(self, option: int, seconds: float) -> None:
+        self.times[option].append(seconds)
+
+    def _median(self, option: int) -> float:
+        times = self.times[option]
+        return statistics.median(times) if times else float("inf")
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[int]:
+        """Run the body (one decode step) on the next option's threads, timed; torch's setting comes back after."""
+        option, current = self.next_option(), torch.get_num_threads()
+        if option != current:
+            torch.set_num_threads(option)
+        start = self.clock()
+        try:
+            yield option
+        finally:
+            self.record(option, self.clock() - start)
+            if option != current:
+                torch.set_num_threads(current)
+
+
+_shared: DecodeThreads | None = None
+
+
+def decode_threads(device: torch.device) -> contextlib.AbstractContextManager:
+    """The context a decode step on ``device`` runs in: `DecodeThreads.step` of the process's chooser where it applies
+    (see the module), else nothing."""
+    global _shared
+    cpus = os.cpu_count() or 1
+    if (not openmp.auto_threads or device.type != "cpu" or cpus < 2 or not openmp.few_cpus(cpus)
+            or "OMP_NUM_THREADS" in os.environ or torch.get_num_threads() != 1):
+        return contextlib.nullcontext()
+    if _shared is None:
+        _shared = DecodeThreads((1, cpus))
+    return _shared.step()

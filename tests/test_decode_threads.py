@@ -1,0 +1,84 @@
+"""Decode steps run on the thread count measured faster, only where Specula chose the count, with the same bits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import LLAMA2XS
+
+from specula import openmp
+from specula.kernels import attention, q4_1
+from specula.runtime import decode_threads as threads_module
+from specula.runtime.decode_threads import DecodeThreads, decode_threads
+from specula.runtime.target import Target
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def run_steps(chooser: DecodeThreads, clock: FakeClock, cost: dict[int, float], steps: int) -> list[int]:
+    """``steps`` steps, each taking cost[its thread count] seconds on the fake clock → the counts they ran on."""
+    used = []
+    for _ in range(steps):
+        with chooser.step() as option:
+            assert torch.get_num_threads() == option
+            clock.now += cost[option]
+        used.append(option)
+    return used
+
+
+def test_the_faster_option_runs_after_both_are_timed_and_a_change_of_load_is_followed():
+    clock, before = FakeClock(), torch.get_num_threads()
+    chooser = DecodeThreads((1, 2), probe=3, recheck=10, clock=clock)
+    probe = run_steps(chooser, clock, {1: 0.010, 2: 0.006}, 6)
+    assert probe == [1, 2, 1, 2, 1, 2]  # in turn, so both see the same mix of blocks
+    assert set(run_steps(chooser, clock, {1: 0.010, 2: 0.006}, 10)) == {2} and chooser.chosen == 2
+    run_steps(chooser, clock, {1: 0.010, 2: 0.030}, 6)  # the machine got busy: two threads collapse
+    assert set(run_steps(chooser, clock, {1: 0.010, 2: 0.030}, 10)) == {1} and chooser.chosen == 1
+    assert torch.get_num_threads() == before  # torch's setting comes back after every step
+
+
+def test_a_thread_count_the_user_chose_is_kept(monkeypatch):
+    monkeypatch.setattr(openmp, "auto_threads", False)
+    with decode_threads(torch.device("cpu")) as chosen:
+        assert chosen is None
+    monkeypatch.setattr(openmp, "auto_threads", True)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    with decode_threads(torch.device("cpu")) as chosen:
+        assert chosen is None
+
+
+def test_where_specula_chose_two_cpus_take_turns(monkeypatch):
+    monkeypatch.setattr(openmp, "auto_threads", True)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(threads_module.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(threads_module, "_shared", None)
+    torch.set_num_threads(1)
+    used = []
+    for _ in range(4):
+        with decode_threads(torch.device("cpu")) as option:
+            used.append(option)
+    assert used == [1, 2, 1, 2]
+
+
+@pytest.mark.skipif(q4_1.unavailable_reason() is not None or attention.unavailable_reason() is not None,
+                    reason="the q4_1 and attention kernels are needed")
+def test_a_native_step_gives_the_same_bits_on_one_thread_and_two():
+    target = Target.load(LLAMA2XS, dtype="float32", weights="q4_1")
+    assert target.runtime.native() is not None
+    prompt = torch.randint(3, target.vocab_size, (40,), generator=torch.Generator().manual_seed(0))
+    target.prefill(prompt)
+    before = torch.get_num_threads()
+    outputs = []
+    for count in (1, 2):
+        torch.set_num_threads(count)
+        block = torch.randint(3, target.vocab_size, (9,), generator=torch.Generator().manual_seed(1))
+        outputs.append(target.forward(block).logits)
+        target.truncate(len(prompt))
+    torch.set_num_threads(before)
+    assert torch.equal(outputs[0], outputs[1])
