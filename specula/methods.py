@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 
-from specula import openmp
 from specula.api import Speculator
 from specula.drafters.ada import build_ada_drafter
 from specula.drafters.answer_corpus import AnswerCorpus, load_answers
@@ -38,7 +37,7 @@ from specula.drafters.vanilla import VanillaDrafter
 from specula.errors import SpeculaError
 from specula.heads.eagle3_head import Eagle3Head
 from specula.heads.eagle_head import EagleHead
-from specula.openmp import default_threads
+from specula.openmp import default_threads, set_auto_threads
 from specula.options import (
     ANSWERS,
     CHOICES,
@@ -382,20 +381,17 @@ def build_speculator(target: str | Path | Target | None = DEFAULT_TARGET, method
 
 def load(*args: Any, threads: int | None | str = "auto", **kwargs: Any) -> Speculator:
     """`specula.load(...)`, the name users know: `build_speculator` (same arguments) for a program of the user's,
-    which also sets torch's CPU threads for the process, as the command line does for its own: ``threads``
-    "auto" is `specula.openmp.default_threads` (one thread on a machine of at most 2 CPUs, where torch's default of
-    two decoded SmolLM2 q4_1 at 40 tokens/s and one at 59, with Specula's passive OpenMP waiting:
-    docs/defaults.md, "Threads"; elsewhere torch's setting is kept), an int that many, None leaves torch's setting.
-    """
+    which also sets torch's CPU threads for the process, as the command line does for its own: ``threads`` "auto" is
+    `specula.openmp.default_threads` (1 on a machine of at most 2 CPUs, each decode step then on 1 or 2 as timed by
+    `specula.runtime.decode_threads`; elsewhere torch's setting), an int that many on every step, None torch's."""
     chosen_here = threads == "auto"
-    if chosen_here:
-        threads = default_threads()
+    threads = default_threads() if chosen_here else threads
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise SpeculaError(f"threads must be a whole number >= 1, 'auto' or None, got {threads!r}")
     speculator = build_speculator(*args, **kwargs)
     if threads is not None:
         torch.set_num_threads(threads)
-    openmp.auto_threads = chosen_here
+    set_auto_threads(chosen_here)
     return speculator
 
 

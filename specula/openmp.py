@@ -23,9 +23,18 @@ ONE_THREAD_UP_TO_CPUS = 2
 # Whether `wait_passively_unless_chosen` set OMP_WAIT_POLICY itself (then the user's environment had none).
 set_by_specula = False
 
-# Whether Specula chose the thread count itself (`default_threads`, for the command line without --threads or
-# ``specula.load(threads="auto")``): then a decode step may run on more (`specula.runtime.decode_threads`).
-auto_threads = False
+_auto_threads = False  # see auto_threads
+
+
+def auto_threads() -> bool:
+    """Whether Specula chose the thread count itself (`default_threads`, for the command line without --threads or
+    ``specula.load(threads="auto")``): then a decode step may run on more (`specula.runtime.decode_threads`)."""
+    return _auto_threads
+
+
+def set_auto_threads(chosen_by_specula: bool) -> None:
+    global _auto_threads
+    _auto_threads = chosen_by_specula
 
 
 def few_cpus(cpus: int | None = None) -> bool:

@@ -334,15 +334,21 @@ def test_generate_takes_the_hardware_profile_unless_told_not_to(capfd, tmp_path,
     assert code == 0 and max(json.loads(out)["tree_sizes"]) > 3  # the method's own default
 
 
-def test_decoding_commands_default_to_one_thread_on_a_machine_of_two_cpus():
-    """On 2 CPUs one torch thread decoded faster than two, idle or busy (docs/defaults.md, "Threads")."""
-    from specula.openmp import default_threads
+def test_decoding_commands_default_to_one_thread_on_a_machine_of_two_cpus_and_let_steps_time_two():
+    """On 2 CPUs one torch thread is the base (docs/defaults.md, "Threads"); where the user gave no --threads a decode
+    step may run on two (`specula.runtime.decode_threads`), where the user gave one it may not."""
+    from specula.cli.common import command_threads
+    from specula.openmp import auto_threads, default_threads
 
     assert default_threads(1) == default_threads(2) == 1
     assert default_threads(16) is None  # torch's own choice
-    # serve too: one thread served faster at 1, 2 and 16 clients
+    before = torch.get_num_threads()
     for command in (["generate", "--prompt", "hi"], ["chat"], ["check", "--method", "pld"], ["serve"]):
-        assert build_parser().parse_args(command).threads == default_threads(), command
+        for given, chosen_by_specula in (([], True), (["--threads", "1"], False)):
+            with command_threads(build_parser().parse_args(command + given)):
+                assert auto_threads() is chosen_by_specula, command + given
+                assert torch.get_num_threads() == (default_threads() or before)
+        assert not auto_threads() and torch.get_num_threads() == before
 
 
 @pytest.mark.parametrize("threads", ["auto", 3, None])

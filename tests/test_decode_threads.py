@@ -44,17 +44,17 @@ def test_the_faster_option_runs_after_both_are_timed_and_a_change_of_load_is_fol
 
 
 def test_a_thread_count_the_user_chose_is_kept(monkeypatch):
-    monkeypatch.setattr(openmp, "auto_threads", False)
+    monkeypatch.setattr(openmp, "_auto_threads", False)
     with decode_threads(torch.device("cpu")) as chosen:
         assert chosen is None
-    monkeypatch.setattr(openmp, "auto_threads", True)
+    monkeypatch.setattr(openmp, "_auto_threads", True)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     with decode_threads(torch.device("cpu")) as chosen:
         assert chosen is None
 
 
 def test_where_specula_chose_two_cpus_take_turns(monkeypatch):
-    monkeypatch.setattr(openmp, "auto_threads", True)
+    monkeypatch.setattr(openmp, "_auto_threads", True)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(threads_module.os, "cpu_count", lambda: 2)
     monkeypatch.setattr(threads_module, "_shared", None)

@@ -13,10 +13,9 @@ from typing import NoReturn
 
 import torch
 
-from specula import openmp
 from specula.errors import SpeculaError
 from specula.methods import METHODS, all_options, methods_taking
-from specula.openmp import default_threads
+from specula.openmp import auto_threads, default_threads, set_auto_threads
 from specula.options import ACCEPTANCE, TYPICAL_ALPHA, TYPICAL_THRESHOLD
 from specula.runtime.weights import WEIGHT_FORMATS
 
@@ -180,16 +179,16 @@ def method_options(args: argparse.Namespace) -> dict:
 def command_threads(args: argparse.Namespace) -> Iterator[None]:
     """Run a command on its ``--threads`` (absent or None: torch's current setting); the previous setting comes
     back afterwards, for callers of main() inside a larger program."""
-    threads, previous, auto = getattr(args, "threads", None), torch.get_num_threads(), openmp.auto_threads
+    threads, previous, auto = getattr(args, "threads", None), torch.get_num_threads(), auto_threads()
     if threads == AUTO_THREADS:  # not given: this machine's default, which decode steps may raise where it pays
         threads = default_threads()
-        openmp.auto_threads = True
+        set_auto_threads(True)
     if threads:
         torch.set_num_threads(threads)
     try:
         yield
     finally:
-        openmp.auto_threads = auto
+        set_auto_threads(auto)
         if threads:
             torch.set_num_threads(previous)
 

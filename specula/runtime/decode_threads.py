@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from specula import openmp
+from specula.openmp import auto_threads, few_cpus
 
 PROBE = 8  # steps timed on an option each time it is tried
 RECHECK = 256  # steps on the faster option before the other is timed again
@@ -83,7 +83,7 @@ def decode_threads(device: torch.device) -> contextlib.AbstractContextManager:
     (see the module), else nothing."""
     global _shared
     cpus = os.cpu_count() or 1
-    if (not openmp.auto_threads or device.type != "cpu" or cpus < 2 or not openmp.few_cpus(cpus)
+    if (not auto_threads() or device.type != "cpu" or cpus < 2 or not few_cpus(cpus)
             or "OMP_NUM_THREADS" in os.environ or torch.get_num_threads() != 1):
         return contextlib.nullcontext()
     if _shared is None:
