@@ -1,11 +1,11 @@
 """Specula: lossless speculative decoding for Hugging Face causal language models."""
 
 # ruff: noqa: E402 (the imports below wait for the OpenMP policy)
-from specula.openmp import wait_passively_unless_chosen
+from specula.openmp import wait_briefly_unless_chosen
 
-# Before torch loads: a q4_1 step of SmolLM2 on 2 cores with other work running took 980 ms with OpenMP's spinning
-# threads, 24 ms with passive waiting (docs/defaults.md). A policy the user set is kept.
-wait_passively_unless_chosen()
+# Before torch loads: on 2 cores OpenMP's long default spin let threads take the cores from each other and other
+# processes; passive waiting made two threads slower than one (docs/defaults.md). A policy the user set is kept.
+wait_briefly_unless_chosen()
 
 from specula.api import Generation, Speculator, StreamChunk
 from specula.errors import SpeculaError

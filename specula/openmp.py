@@ -1,6 +1,6 @@
-"""OpenMP's waiting policy: passive in Specula's own process on a machine of at most two CPUs unless the user chose
-one (docs/defaults.md, "OpenMP waiting"); programs Specula starts that are not Specula get the environment the user
-gave. And the thread count that goes with it (`default_threads`).
+"""OpenMP's waiting policy: a short spin in Specula's own process on a machine of at most two CPUs unless the user
+chose one (docs/defaults.md, "OpenMP waiting"); programs Specula starts that are not Specula get the environment the
+user gave. And the thread count that goes with it (`default_threads`).
 
 Imported by ``specula/__init__.py`` before torch loads (this module must not import it).
 """
@@ -12,16 +12,20 @@ import os
 # Variables through which a user chooses how OpenMP threads wait; any one of them set keeps ours out.
 USER_POLICY_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
-# Machines with at most this many CPUs decode on one torch thread whose OpenMP threads wait passively, unless told
-# otherwise: a step of a small model is many small operations, a second thread woken passively for each costs more
-# than it gives, and spinning threads take the cores from each other as soon as anything else runs (2-core AMD EPYC).
+# Machines with at most this many CPUs decode on one torch thread unless told otherwise, each decode step on one or
+# two as timed (`specula.runtime.decode_threads`): two spinning threads are 1.35x faster on an idle 2-core AMD EPYC
+# since the native decoder stack, and take the cores from each other as soon as anything else runs.
 # Larger machines keep OpenMP's own waiting (spinning a while) and torch's thread count: on a 16-core Xeon, SmolLM2's
 # q4_1 step took 12-25 ms on 16 spinning threads, 29-57 ms on 16 passive ones and 28-37 ms on one (docs/defaults.md,
 # "Threads").
 ONE_THREAD_UP_TO_CPUS = 2
 
-# Whether `wait_passively_unless_chosen` set OMP_WAIT_POLICY itself (then the user's environment had none).
+# Whether `wait_briefly_unless_chosen` set GOMP_SPINCOUNT itself (then the user's environment had no policy).
 set_by_specula = False
+# Spins of an idle OpenMP thread before it sleeps, on a machine of at most `ONE_THREAD_UP_TO_CPUS` CPUs. The
+# bicycle answer of the README (76 tokens, suffix, no flags, two threads chosen): 8.5 ms a cycle with 10,000,
+# 9.2 with 30,000, ~16 passive; one thread 11.8-12.1 (2-core AMD EPYC, idle).
+SPIN_COUNT = 10_000
 
 _auto_threads = False  # see auto_threads
 
@@ -43,27 +47,31 @@ def few_cpus(cpus: int | None = None) -> bool:
     return cpus is not None and cpus <= ONE_THREAD_UP_TO_CPUS
 
 
-def wait_passively_unless_chosen(cpus: int | None = None) -> None:
-    """Set OMP_WAIT_POLICY=PASSIVE for this process on a machine of at most `ONE_THREAD_UP_TO_CPUS` CPUs (``cpus``,
-    default `os.cpu_count`) unless the user chose a policy.
+def wait_briefly_unless_chosen(cpus: int | None = None) -> None:
+    """Set GOMP_SPINCOUNT=`SPIN_COUNT` for this process on a machine of at most `ONE_THREAD_UP_TO_CPUS` CPUs
+    (``cpus``, default `os.cpu_count`) unless the user chose a policy: an OpenMP thread spins that long after a
+    parallel region (tens of microseconds), then sleeps.
 
-    torch's OpenMP runtime and the system one Specula's kernels link each keep their threads spinning between
-    parallel regions, so on a machine whose few cores are busy they take the cores from each other.
+    OpenMP's default spinning (300,000) lets torch's runtime and the system one Specula's kernels link take the few
+    cores from each other and from other processes; passive waiting (no spin) wakes a sleeping thread for every
+    parallel region, which made two threads slower than one (docs/defaults.md, "OpenMP waiting"). A short spin keeps
+    a second thread awake between the regions of one decode step and lets it sleep between steps; where the machine
+    is busy, `specula.runtime.decode_threads` finds two threads slower and decodes on one.
     """
     global set_by_specula
     if few_cpus(cpus) and not any(name in os.environ for name in USER_POLICY_VARIABLES):
-        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+        os.environ["GOMP_SPINCOUNT"] = str(SPIN_COUNT)
         set_by_specula = True
 
 
 def foreign_environment() -> dict[str, str]:
     """The environment for a program Specula starts that is not Specula (llama.cpp's ``llama-server``): ours
-    without the policy Specula set for itself. Inherited, it cost llama.cpp 2/3 of its speed: its threads meet at
-    a barrier per operation, and woken by the kernel at each one (100 % system time) SmolLM2 q4_1 decoded at
-    37.8 tokens/s instead of 114 on 2 cores (docs/defaults.md)."""
+    without the policy Specula set for itself. Inherited, Specula's former passive policy cost llama.cpp 2/3 of its
+    speed: its threads meet at a barrier per operation, and woken by the kernel at each one (100 % system time)
+    SmolLM2 q4_1 decoded at 37.8 tokens/s instead of 114 on 2 cores (docs/defaults.md)."""
     environment = dict(os.environ)
-    if set_by_specula and environment.get("OMP_WAIT_POLICY") == "PASSIVE":
-        del environment["OMP_WAIT_POLICY"]
+    if set_by_specula and environment.get("GOMP_SPINCOUNT") == str(SPIN_COUNT):
+        del environment["GOMP_SPINCOUNT"]
     return environment
 
 

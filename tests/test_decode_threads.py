@@ -35,12 +35,24 @@ def run_steps(chooser: DecodeThreads, clock: FakeClock, cost: dict[int, float], 
 def test_the_faster_option_runs_after_both_are_timed_and_a_change_of_load_is_followed():
     clock, before = FakeClock(), torch.get_num_threads()
     chooser = DecodeThreads((1, 2), probe=3, recheck=10, clock=clock)
-    probe = run_steps(chooser, clock, {1: 0.010, 2: 0.006}, 6)
+    probe = run_steps(chooser, clock, {1: 0.010, 2: 0.008}, 6)
     assert probe == [1, 2, 1, 2, 1, 2]  # in turn, so both see the same mix of blocks
-    assert set(run_steps(chooser, clock, {1: 0.010, 2: 0.006}, 10)) == {2} and chooser.chosen == 2
+    assert set(run_steps(chooser, clock, {1: 0.010, 2: 0.008}, 10)) == {2} and chooser.chosen == 2
     run_steps(chooser, clock, {1: 0.010, 2: 0.030}, 6)  # the machine got busy: two threads collapse
     assert set(run_steps(chooser, clock, {1: 0.010, 2: 0.030}, 10)) == {1} and chooser.chosen == 1
     assert torch.get_num_threads() == before  # torch's setting comes back after every step
+
+
+def test_a_clear_loser_is_tried_again_less_and_less_often():
+    clock = FakeClock()
+    chooser = DecodeThreads((1, 2), probe=2, recheck=10, clock=clock)
+    busy = {1: 0.010, 2: 0.040}
+    used = run_steps(chooser, clock, busy, 4 + 10 + 4 + 20 + 4 + 40 + 4)
+    probes_at = [i for i in range(1, len(used)) if used[i] == 2]
+    assert probes_at == [1, 14, 37, 80]  # one probe step each (a clear loss ends it), 10, 20, 40 steps apart + probes
+    chooser = DecodeThreads((1, 2), probe=2, recheck=10, clock=clock)
+    run_steps(chooser, clock, {1: 0.010, 2: 0.012}, 4 + 10 + 4)  # a close call: the usual wait
+    assert run_steps(chooser, clock, {1: 0.010, 2: 0.012}, 10) == [1] * 10 and chooser.next_option() == 1
 
 
 def test_a_thread_count_the_user_chose_is_kept(monkeypatch):

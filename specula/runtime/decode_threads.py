@@ -1,13 +1,14 @@
 """How many threads a decode step runs on, where Specula chose the count itself: measured, not assumed.
 
 On a machine of at most two CPUs Specula decodes on one thread (`specula.openmp.default_threads`): a step of many
-small operations paid more for waking a second thread than it gained, and a second thread collapses as soon as
-another process wants the core. Since the native decoder stack (`specula.runtime.native_decoder`) makes a step a few
-large calls, an idle 2-core AMD EPYC decodes SmolLM2 q4_1 1.45x faster on two threads (vanilla 131-140 against 92-93
-tokens/s, suffix 206-231 against 159-162), while beside one busy process two threads run 2.5-3x slower than one
-(32-34 against 79-94). Which holds depends on the machine's load, which changes, so each option is timed on the
-steps themselves: `PROBE` steps on each, in turn step after step, then the faster (by median step time) for
-`RECHECK` steps before both are timed again. Every kernel computes each output on one thread in a fixed order,
+small operations paid more for a second thread than it gained, and a second thread collapses as soon as another
+process wants the core. Since the native decoder stack (`specula.runtime.native_decoder`) makes a step a few large
+calls, an idle 2-core AMD EPYC decodes SmolLM2 q4_1 1.45x faster on two threads that spin between the step's calls
+(vanilla 131-140 against 92-93 tokens/s, suffix 206-231 against 159-162; `specula.openmp.SPIN_COUNT`), while beside
+one busy process two threads run 2.5-3x slower than one (32-34 against 79-94). Which holds depends on the
+machine's load, which changes, so each option is timed on the steps themselves: `PROBE` steps on each, in turn step
+after step, then the faster (by median step time) for `RECHECK` steps before both are timed again (twice as long
+each time the loser loses clearly, `CLEAR_LOSS`). Every kernel computes each output on one thread in a fixed order,
 so the tokens do not depend on the choice (`tests/test_decode_threads.py`).
 
 Only where Specula chose the thread count (`specula.openmp.auto_threads`: the command line without ``--threads``,
@@ -27,8 +28,12 @@ import torch
 
 from specula.openmp import auto_threads, few_cpus
 
-PROBE = 8  # steps timed on an option each time it is tried
-RECHECK = 256  # steps on the faster option before the other is timed again
+PROBE = 4  # steps timed on each option each time they are compared
+RECHECK = 256  # steps on the faster option before both are timed again
+# A loser this much slower than the winner (a busy machine's two threads) waits twice as long to be tried again, up
+# to `LONGEST_RECHECK` steps: its probe steps are the chooser's whole cost.
+CLEAR_LOSS = 1.5
+LONGEST_RECHECK = 4096
 
 
 class DecodeThreads:
@@ -40,6 +45,8 @@ class DecodeThreads:
         self.times = {option: deque(maxlen=probe) for option in options}
         self.chosen = options[0]
         self._plan: deque[int] = deque(self._probe())
+        self._wait = recheck  # steps before the next comparison
+        self._clear_winner: int | None = None  # the last comparison's winner, where it won clearly
 
     def _probe(self) -> list[int]:
         # The options in turn, step after step: consecutive steps verify blocks of like sizes, so each option's
@@ -49,12 +56,20 @@ class DecodeThreads:
     def next_option(self) -> int:
         """The thread count for the next step."""
         if not self._plan:
-            self.chosen = min(self.options, key=self._median)
-            self._plan.extend([self.chosen] * self.recheck + self._probe())
+            ranked = sorted(self.options, key=self._median)
+            clear = self._median(ranked[1]) >= CLEAR_LOSS * self._median(ranked[0])
+            again = clear and ranked[0] == self._clear_winner  # the same clear outcome as last time
+            self._wait = min(2 * self._wait, LONGEST_RECHECK) if again else self.recheck
+            self.chosen, self._clear_winner = ranked[0], ranked[0] if clear else None
+            self._plan.extend([self.chosen] * self._wait + self._probe())
         return self._plan.popleft()
 
     def record(self, option: int, seconds: float) -> None:
         self.times[option].append(seconds)
+        if option != self.chosen and seconds >= CLEAR_LOSS * self._median(self.chosen):
+            # Lost clearly at once (two threads beside a busy process take 3-8x a step): the rest of this probe
+            # would cost as much again and say nothing new.
+            self._plan = deque(planned for planned in self._plan if planned != option)
 
     def _median(self, option: int) -> float:
         times = self.times[option]
