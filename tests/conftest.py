@@ -321,3 +321,13 @@ def smollm2(no_machine_profile):
     yield SimpleNamespace(speculator=speculator, reference=loaded[0].eval(), conversions=conversions)
     # pytest keeps the temporary directories of recent sessions; 540 MB of float32 weights each is too much.
     shutil.rmtree(cache_dir() / "gguf", ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def threads_as_a_user_chose_them():
+    """A test that loads with threads="auto" lets later decode steps time two threads
+    (`specula.runtime.decode_threads`); the next test starts as a user's program that chose its own."""
+    from specula.openmp import set_auto_threads
+
+    yield
+    set_auto_threads(False)

@@ -179,10 +179,11 @@ def method_options(args: argparse.Namespace) -> dict:
 def command_threads(args: argparse.Namespace) -> Iterator[None]:
     """Run a command on its ``--threads`` (absent or None: torch's current setting); the previous setting comes
     back afterwards, for callers of main() inside a larger program."""
-    threads, previous, auto = getattr(args, "threads", None), torch.get_num_threads(), auto_threads()
-    if threads == AUTO_THREADS:  # not given: this machine's default, which decode steps may raise where it pays
-        threads = default_threads()
-        set_auto_threads(True)
+    given, previous, auto = getattr(args, "threads", None), torch.get_num_threads(), auto_threads()
+    # Not given: this machine's default, which decode steps may raise where it pays (`decode_threads`).
+    threads = default_threads() if given == AUTO_THREADS else given
+    if given is not None:
+        set_auto_threads(given == AUTO_THREADS)
     if threads:
         torch.set_num_threads(threads)
     try:
