@@ -94,3 +94,18 @@ def test_a_native_step_gives_the_same_bits_on_one_thread_and_two():
         target.truncate(len(prompt))
     torch.set_num_threads(before)
     assert torch.equal(outputs[0], outputs[1])
+
+
+@pytest.mark.skipif(q4_1.unavailable_reason() is not None or attention.unavailable_reason() is not None,
+                    reason="the q4_1 and attention kernels are needed")
+def test_a_packed_server_step_gives_the_same_bits_on_one_thread_and_two():
+    """A server pass carrying a joining prompt runs on both CPUs (`prompt_threads`): its decode rows too."""
+    from test_native_decoder import packed_outputs
+
+    target = Target.load(LLAMA2XS, dtype="float32", weights="q4_1")
+    before, logits = torch.get_num_threads(), []
+    for count in (1, 2):
+        torch.set_num_threads(count)
+        logits.append([out.logits for out in packed_outputs(target, 3)[0]])
+    torch.set_num_threads(before)
+    assert all(torch.equal(a, b) for a, b in zip(*logits, strict=True))
