@@ -4,8 +4,9 @@ On a machine of at most two CPUs Specula decodes on one thread (`specula.openmp.
 small operations paid more for a second thread than it gained, and a second thread collapses as soon as another
 process wants the core. Since the native decoder stack (`specula.runtime.native_decoder`) makes a step a few large
 calls, an idle 2-core AMD EPYC decodes SmolLM2 q4_1 1.45x faster on two threads that spin between the step's calls
-(vanilla 131-140 against 92-93 tokens/s, suffix 206-231 against 159-162; `specula.openmp.SPIN_COUNT`), while beside
-one busy process two threads run 2.5-3x slower than one (32-34 against 79-94). Which holds depends on the
+(OpenMP's default spin: vanilla 131-140 against 92-93 tokens/s, suffix 206-231 against 159-162; Specula's shorter
+`specula.openmp.SPIN_COUNT` does as well), while beside one busy process two threads run 2.5-3x slower than one
+(32-34 against 79-94). Which holds depends on the
 machine's load, which changes, so each option is timed on the steps themselves: `PROBE` steps on each, in turn step
 after step, then the faster (by median step time) for `RECHECK` steps before both are timed again (twice as long
 each time the loser loses clearly, `CLEAR_LOSS`). Every kernel computes each output on one thread in a fixed order,
