@@ -6,9 +6,9 @@
 // stack.run_packed(...): the same for several sequences' blocks packed in one x, each over its own cache.
 //
 // Why: an eager SmolLM2 step in q4_1 is ~60 small torch calls per layer from Python, 30 layers, ~9 ms of a 17 ms
-// one-token step around ~8 ms of matmuls. Here a layer makes four ATen calls of its own, those whose arithmetic is
-// hard to repeat bit for bit (the norms' pow and mean, with ATen's reduction order, and SiLU, with its vector exp,
-// cut into the same row chunks), plus the same q4_1 and cached-attention ops, called from C++. Everything else is a
+// one-token step around ~8 ms of matmuls. Here a layer makes five ATen computations of its own, those whose
+// arithmetic is hard to repeat bit for bit (each of the two norms' pow and mean, with ATen's reduction order, and
+// SiLU, with its vector exp, cut into the same row chunks), plus the same q4_1 and cached-attention ops, from C++. Everything else is a
 // plain loop doing each element's ATen arithmetic (one rounding per operation) or moving floats where the Python
 // path's split, view, transpose, narrow and copy_ put them: the norms' elementwise tail, rotary, the cache writes,
 // the heads side by side, SiLU times up, the residual adds. Every output bit equals the Python path's

@@ -91,6 +91,17 @@ class DecodeThreads:
                 torch.set_num_threads(current)
 
 
+def spare_cpus(device: torch.device) -> int | None:
+    """The CPUs a block on ``device`` may run on beyond torch's setting: all of them where ``device`` is the CPU of a
+    machine of at most two (`specula.openmp.few_cpus`), torch runs on fewer, and the user set no
+    ``OMP_NUM_THREADS``; else None. Shared by prompts (`specula.runtime.target.prompt_threads`) and decode steps."""
+    cpus = os.cpu_count() or 1
+    if (device.type != "cpu" or not few_cpus(cpus) or "OMP_NUM_THREADS" in os.environ
+            or torch.get_num_threads() >= cpus):
+        return None
+    return cpus
+
+
 _shared: DecodeThreads | None = None
 
 
@@ -98,10 +109,9 @@ def decode_threads(device: torch.device) -> contextlib.AbstractContextManager:
     """The context a decode step on ``device`` runs in: `DecodeThreads.step` of the process's chooser where it applies
     (see the module), else nothing."""
     global _shared
-    cpus = os.cpu_count() or 1
-    if (not auto_threads() or device.type != "cpu" or cpus < 2 or not few_cpus(cpus)
-            or "OMP_NUM_THREADS" in os.environ or torch.get_num_threads() != 1):
+    cpus = spare_cpus(device)
+    if not auto_threads() or cpus is None:
         return contextlib.nullcontext()
     if _shared is None:
-        _shared = DecodeThreads((1, cpus))
+        _shared = DecodeThreads((1, cpus))  # torch runs on fewer than cpus <= 2: one
     return _shared.step()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,9 +18,8 @@ import torch
 from specula.chat.template import end_of_turn_ids
 from specula.errors import SpeculaError
 from specula.kernels import has_cpp_compiler
-from specula.openmp import few_cpus
 from specula.runtime.compiled_step import CompiledStep, warm_up_blocks
-from specula.runtime.decode_threads import decode_threads
+from specula.runtime.decode_threads import decode_threads, spare_cpus
 from specula.runtime.forward import (
     LLAMA_FAMILY,
     FeatureRequest,
@@ -193,9 +191,8 @@ def prompt_threads(tokens: int, device: torch.device) -> Iterator[None]:
     EPYC). Every kernel a prompt runs computes each output on one thread in a fixed order, so the logits and the
     cache are the same bits either way (`tests/test_startup.py`). Shorter blocks, GPUs, larger machines and an
     ``OMP_NUM_THREADS`` of the user's are left as they are."""
-    cpus, current = os.cpu_count() or 1, torch.get_num_threads()
-    if (tokens < PROMPT_THREADS_FROM or device.type != "cpu" or current >= cpus or not few_cpus(cpus)
-            or "OMP_NUM_THREADS" in os.environ):
+    cpus, current = spare_cpus(device) if tokens >= PROMPT_THREADS_FROM else None, torch.get_num_threads()
+    if cpus is None:
         yield
         return
     torch.set_num_threads(cpus)
