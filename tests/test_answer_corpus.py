@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -53,6 +54,29 @@ def test_a_saved_corpus_loads_with_the_same_drafts(tmp_path, large_vocab):
     loaded = AnswerCorpus.load(tmp_path / "answers.safetensors", depth=6)
     assert (loaded.tokenizer, loaded.texts, loaded.separator) == ("abc", len(texts), corpus.separator)
     assert (loaded.columns == corpus.columns).all() and (loaded.order == corpus.order).all()
+
+
+def test_a_later_load_maps_the_kept_sorted_windows_and_a_damaged_copy_is_sorted_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECULA_CACHE_DIR", str(tmp_path / "cache"))
+    texts = random_texts(11)
+    AnswerCorpus.from_texts(texts, depth=6).save(tmp_path / "answers.safetensors")
+    first = AnswerCorpus.load(tmp_path / "answers.safetensors", depth=6)  # sorts, and keeps the result
+    kept = sorted((tmp_path / "cache" / "answer-index").iterdir())
+    assert [p.name.rsplit("-", 1)[1] for p in kept] == ["columns.npy", "order.npy"]
+    mapped = AnswerCorpus.load(tmp_path / "answers.safetensors", depth=6)
+    assert isinstance(mapped.order, np.memmap) and isinstance(mapped.columns, np.memmap)
+    deeper = AnswerCorpus.load(tmp_path / "answers.safetensors", depth=4)  # another depth: its own index
+    assert deeper.columns.shape[0] == 4 and len(list(kept[0].parent.iterdir())) == 4
+    draft = {"budget": 4, "max_depth": 4, "min_prob": 0.0, "spec_factor": 4.0, "tree": True}
+    contexts = ([0], [1, 2], [3, 4, 0], [2, 2])
+    assert (mapped.order == first.order).all() and (mapped.columns == first.columns).all()
+    assert [mapped.propose(c, 4, **draft) for c in contexts] == [first.propose(c, 4, **draft) for c in contexts]
+    head = kept[1].read_bytes()[:100]
+    kept[1].unlink()  # replaced by a truncated order file (a new file, as the cache never writes one in place)
+    kept[1].write_bytes(head)
+    rebuilt = AnswerCorpus.load(tmp_path / "answers.safetensors", depth=6)
+    assert (rebuilt.order == first.order).all() and (rebuilt.columns == first.columns).all()
+    assert kept[1].stat().st_size > 100  # kept whole again
 
 
 def test_a_file_that_is_not_a_corpus_is_refused_in_one_line(tmp_path):

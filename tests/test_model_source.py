@@ -80,13 +80,43 @@ def test_gguf_is_converted_once_into_a_complete_hf_directory(tiny_gguf, cache, c
     manifest = json.loads((entry / gguf_cache.MANIFEST).read_text())
     assert manifest["source_sha256"] == entry.name and manifest["source_name"] == tiny_gguf.name
     assert manifest["files"]["model.safetensors"] == (entry / "model.safetensors").stat().st_size
-    assert entries(cache) == [entry.name]  # no temporary directory left beside it
+    assert entries(cache) == sorted([entry.name, gguf_cache.DIGESTS])  # no temporary directory left beside them
     assert resolve_model(tiny_gguf) == entry and resolve_model(tiny_gguf.parent) == entry
     assert conversions == [tiny_gguf]  # the second and third resolutions read the cache
 
     target = Target.load(tiny_gguf, dtype="auto")
     assert target.name == "tiny-chat" and target.dtype.is_floating_point and str(target.dtype) == "torch.float32"
     assert target.tokenizer.chat_template and target.eos_token_ids == {2}
+
+
+def test_a_files_digest_is_kept_across_processes_until_the_file_changes(tmp_path, monkeypatch):
+    """A later process reads the kept digest instead of hashing the file; content written since, even with the
+    modification time set back and the size unchanged, is hashed again."""
+    import hashlib
+    import os
+
+    path, memo = tmp_path / "model.gguf", tmp_path / "digests"
+    path.write_bytes(b"one")
+    assert gguf_cache.file_sha256(path, memo) == hashlib.sha256(b"one").hexdigest()
+    assert not memo.exists()  # only a converted entry's source is kept
+    gguf_cache.keep_digest(path, memo, "f" * 64)  # not its digest: so that reading it, not hashing, is visible
+    monkeypatch.setattr(gguf_cache, "_hash_memo", {})  # a new process
+    assert gguf_cache.file_sha256(path, memo) == "f" * 64
+    before = path.stat()
+    path.write_bytes(b"two")
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert (path.stat().st_size, path.stat().st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    monkeypatch.setattr(gguf_cache, "_hash_memo", {})
+    assert gguf_cache.file_sha256(path, memo) == hashlib.sha256(b"two").hexdigest()
+
+
+def test_loading_a_converted_gguf_keeps_its_digest_and_hashes_it_no_more(tiny_gguf, cache, monkeypatch):
+    entry = resolve_model(tiny_gguf)
+    monkeypatch.setattr(gguf_cache, "_hash_memo", {})  # a new process
+    hashed = []
+    monkeypatch.setattr(gguf_cache, "open", lambda *a, **k: hashed.append(a) or open(*a, **k), raising=False)
+    assert resolve_model(tiny_gguf) == entry
+    assert tiny_gguf not in [Path(args[0]) for args in hashed]  # the file itself was never read
 
 
 def corrupt_missing_file(entry: Path) -> None:
@@ -119,7 +149,7 @@ def test_damaged_cache_entry_is_detected_and_rebuilt(tiny_gguf, cache, conversio
     assert not gguf_cache.entry_is_valid(entry, entry.name)
     assert resolve_model(tiny_gguf) == entry
     assert gguf_cache.entry_is_valid(entry, entry.name) and len(conversions) == 2
-    assert entries(cache) == [entry.name]
+    assert entries(cache) == sorted([entry.name, gguf_cache.DIGESTS])
     Target.load(tiny_gguf)
 
 

@@ -16,12 +16,15 @@ continuations are sub-runs found by binary search: the trie's nodes, counts and 
 
 The file (safetensors, format `FORMAT`): ``tokens`` (uint16 where the ids fit, else int32), the texts one after
 another, each followed by the ``separator`` of the metadata (the dtype's largest value); ``tokenizer``, the
-tokenizer's fingerprint (`specula.runtime.tokenizer.tokenizer_fingerprint`). The sorted windows are rebuilt at
-load.
+tokenizer's fingerprint (`specula.runtime.tokenizer.tokenizer_fingerprint`). The sorted windows are not in the file:
+sorting them takes ~0.15 s for SmolLM2's 1.2M tokens, a tenth of `specula generate`'s start, so the first load
+keeps them in the cache (`index_path`: two ``.npy`` files named by a hash of the tokens and the depth) and later
+loads map them. A damaged or missing copy is rebuilt; a wrong one could only change drafts, never the output.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -32,9 +35,12 @@ from safetensors.torch import save_file
 
 from specula.drafters.suffix_index import NO_CANDIDATES, Candidates, best_continuations
 from specula.errors import SpeculaError
+from specula.files.outputs import atomic_write
+from specula.runtime.model_source import cache_dir
 from specula.runtime.tokenizer import tokenizer_fingerprint
 
 FORMAT = "specula-answer-corpus"
+INDEX_VERSION = b"1"  # of the cached sorted windows' layout: a change here names new files
 
 
 class AnswerCorpus:
@@ -44,18 +50,14 @@ class AnswerCorpus:
     every token id). Memory: ``depth`` sorted columns of n tokens (2 bytes each where the ids fit in 16 bits, else
     4) and the order (4 bytes each): 29 MB for SmolLM2's 1.2M-token corpus at depth 10."""
 
-    def __init__(self, stream: np.ndarray, depth: int, separator: int, tokenizer: str = ""):
+    def __init__(self, stream: np.ndarray, depth: int, separator: int, tokenizer: str = "",
+                 index: tuple[np.ndarray, np.ndarray] | None = None):
         if depth < 2:
             raise ValueError(f"an answer corpus needs depth >= 2, got {depth}")
         self.depth, self.separator, self.tokenizer = depth, separator, tokenizer
         self.size = int(stream.shape[0])
-        dtype = np.uint16 if separator <= np.iinfo(np.uint16).max else np.int32
-        # Windows past the end read separators: no phrase runs over the end of the last text.
-        padded = np.concatenate([stream.astype(dtype), np.full(depth, separator, dtype)])
-        self.order = np.lexsort([padded[j:j + self.size] for j in reversed(range(depth))]).astype(np.int32)
-        # columns[j]: the token j places into each sorted window. The windows that begin with a phrase of k tokens
-        # are one run, sorted by their (k+1)-th token: each narrowing is a binary search in a column's slice.
-        self.columns = np.stack([padded[self.order + j] for j in range(depth)])
+        # order [n] int32 and columns [depth, n]: the windows sorted (`sort_windows`), or given as built before.
+        self.order, self.columns = index if index is not None else sort_windows(stream, depth, separator)
 
     @classmethod
     def from_texts(cls, texts: Sequence[Sequence[int]], depth: int, tokenizer: str = "") -> AnswerCorpus:
@@ -125,7 +127,58 @@ class AnswerCorpus:
             raise SpeculaError(f"cannot read the answer corpus {path}: {err}") from None
         if metadata.get("format") != FORMAT or tokens is None or tokens.ndim != 1 or "separator" not in metadata:
             raise SpeculaError(f"{path} is not an answer corpus ({FORMAT}, version 1)")
-        return cls(tokens.numpy(), depth, int(metadata["separator"]), metadata.get("tokenizer", ""))
+        stream, separator = tokens.numpy(), int(metadata["separator"])
+        return cls(stream, depth, separator, metadata.get("tokenizer", ""), cached_index(stream, depth, separator))
+
+
+def sort_windows(stream: np.ndarray, depth: int, separator: int) -> tuple[np.ndarray, np.ndarray]:
+    """(order int32 [n]: the positions of ``stream`` [n] sorted by the ``depth`` tokens starting there; columns
+    [depth, n]: the token j places into each sorted window, uint16 where ``separator`` fits, else int32)."""
+    size = int(stream.shape[0])
+    dtype = np.uint16 if separator <= np.iinfo(np.uint16).max else np.int32
+    # Windows past the end read separators: no phrase runs over the end of the last text.
+    padded = np.concatenate([stream.astype(dtype), np.full(depth, separator, dtype)])
+    order = np.lexsort([padded[j:j + size] for j in reversed(range(depth))]).astype(np.int32)
+    # columns[j]: the token j places into each sorted window. The windows that begin with a phrase of k tokens
+    # are one run, sorted by their (k+1)-th token: each narrowing is a binary search in a column's slice.
+    return order, np.stack([padded[order + j] for j in range(depth)])
+
+
+def index_path(stream: np.ndarray, depth: int, separator: int) -> Path:
+    """The cached sorted windows of ``stream`` at ``depth`` (``<key>-order.npy`` beside ``<key>-columns.npy``)."""
+    digest = hashlib.sha256(INDEX_VERSION + b"%d %d " % (depth, separator))
+    digest.update(np.ascontiguousarray(stream).tobytes())
+    return cache_dir() / "answer-index" / digest.hexdigest()[:32]
+
+
+def cached_index(stream: np.ndarray, depth: int, separator: int) -> tuple[np.ndarray, np.ndarray]:
+    """`sort_windows`, mapped from the cache where an earlier load kept it, else sorted now and kept (a cache that
+    cannot be written costs only the sort)."""
+    base = index_path(stream, depth, separator)
+    order_file, columns_file = base.with_name(base.name + "-order.npy"), base.with_name(base.name + "-columns.npy")
+    size = int(stream.shape[0])
+    dtype = np.uint16 if separator <= np.iinfo(np.uint16).max else np.int32
+    try:
+        order, columns = np.load(order_file, mmap_mode="r"), np.load(columns_file, mmap_mode="r")
+        if (order.shape == (size,) and order.dtype == np.int32 and columns.shape == (depth, size)
+                and columns.dtype == dtype):
+            return order, columns
+    except (OSError, ValueError):  # none yet, or truncated: sorted again below
+        pass
+    order, columns = sort_windows(stream, depth, separator)
+    try:
+        base.parent.mkdir(parents=True, exist_ok=True)
+        # columns first, order last: a load finds order only where columns were written whole before it.
+        atomic_write(columns_file, lambda tmp: _save_array(tmp, columns))
+        atomic_write(order_file, lambda tmp: _save_array(tmp, order))
+    except (OSError, SpeculaError):
+        pass
+    return order, columns
+
+
+def _save_array(path: str, array: np.ndarray) -> None:
+    with open(path, "wb") as handle:  # a file object: np.save given a name would append ".npy" to it
+        np.save(handle, array)
 
 
 _LOADED: dict[tuple[str, int], AnswerCorpus] = {}  # one copy per file and depth in a process (bench, serve)
