@@ -63,6 +63,13 @@ class GenerationStats:
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.total_time if self.total_time > 0 else 0.0
 
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """The tokens after the prompt's own (the first, from the prefill) over the time after the prefill: what
+        llama.cpp reports as its eval rate, so the two compare like with like (0.0 when nothing was decoded)."""
+        decoding = self.total_time - self.prefill_time
+        return (self.new_tokens - 1) / decoding if self.new_tokens > 1 and decoding > 0 else 0.0
+
     def as_dict(self) -> dict:
         return {
             "prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens, "cycles": self.cycles,

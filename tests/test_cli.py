@@ -6,6 +6,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -293,7 +294,9 @@ def test_plain_text_streams_the_same_text(capfd, tmp_path, json_runs):
     assert len(summary) == 1
     assert summary[0].startswith(f"[vanilla] {json_runs['vanilla']['new_tokens']} new tokens in ")
     assert "tau 1.00" in summary[0]
-    assert "tokens/s" in summary[0]
+    prompt_tokens = json_runs["vanilla"]["prompt_tokens"]
+    assert re.search(r"[0-9.]+ tokens/s \((eos|max_new_tokens)\); "
+                     rf"prompt {prompt_tokens} tokens in [0-9.]+ s, then [0-9.]+ tokens/s$", summary[0])
 
 
 def test_typical_acceptance_is_opt_in_labelled_lossy_and_warned(capfd):

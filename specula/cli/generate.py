@@ -86,6 +86,8 @@ def run_generate(args: argparse.Namespace) -> int:
         sys.stdout.flush()
     sys.stdout.write("\n")
     sys.stdout.flush()
+    # The whole answer's rate, then the prompt's time and the rate after it, as llama.cpp splits them.
     print(f"[{args.method}] {stats.new_tokens} new tokens in {stats.cycles} cycles, tau {stats.tau:.2f}, "
-          f"{stats.tokens_per_s:.1f} tokens/s ({stats.stop_reason})", file=sys.stderr)
+          f"{stats.tokens_per_s:.1f} tokens/s ({stats.stop_reason}); prompt {stats.prompt_tokens} tokens in "
+          f"{stats.prefill_time:.2f} s, then {stats.decode_tokens_per_s:.1f} tokens/s", file=sys.stderr)
     return 0
