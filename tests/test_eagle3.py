@@ -101,6 +101,8 @@ def test_drafted_logits_are_the_draft_vocabulary_rows_of_the_log_probabilities(s
     logits, ids = head.drafted_logits(features)
     assert logits.shape == (3, 5) and ids.tolist() == draft_vocab.tolist()
     torch.testing.assert_close(torch.log_softmax(logits, -1), head.token_log_probs(features)[:, ids])
+    head.set_draft_vocab(torch.tensor([1, 2, 3, 4, 5]))  # the ids follow a changed vocabulary
+    assert head.drafted_logits(features)[1].tolist() == [1, 2, 3, 4, 5]
     logits, ids = Eagle3Head.for_target(stories_target.config).drafted_logits(features)
     assert ids is None and logits.shape == (3, 512)
 

@@ -36,9 +36,14 @@ def target() -> Target:
     return Target.load(STORIES, dtype="float32")
 
 
-def pvalues(target: Target, dynamic: bool, acceptor=None) -> tuple[dict[str, float], int]:
+# A grown tree, and the one level of sampled children the CPU's budgets draft (kept without growing a tree).
+GROWN = {"total_tokens": 6, "depth": 3, "top_k": 2}
+ONE_LEVEL = {"total_tokens": 2, "depth": 1, "top_k": 3}
+
+
+def pvalues(target: Target, dynamic: bool, acceptor=None, options: dict | None = None) -> tuple[dict[str, float], int]:
     head = EagleHead.from_pretrained(HEAD)
-    options = {"total_tokens": 6, "depth": 3, "top_k": 2} if dynamic else {"choices": [[0], [1], [0, 0], [0, 1]]}
+    options = options or (GROWN if dynamic else {"choices": [[0], [1], [0, 0], [0, 1]]})
     drafter = EagleDrafter(target, head, dynamic=dynamic, **options)
     prompt = encode(target, PROMPT)
     exact = exact_sequence_distribution(target, prompt, E2E_PARAMS, E2E_NEW_TOKENS)
@@ -95,3 +100,34 @@ def test_eagle3_with_broken_acceptor_is_rejected(target):
 def test_eagle2_with_broken_acceptor_is_rejected(target):
     result, _ = pvalues(target, True, acceptor=accept_bonus_from_unmodified_p)
     assert min(result.values()) < ALPHA, result
+
+
+def test_one_level_of_sampled_children_matches_target_distribution_and_a_broken_acceptor_is_seen(target):
+    result, accepted = pvalues(target, True, options=ONE_LEVEL)
+    assert accepted > 300, accepted
+    assert min(result.values()) >= ALPHA, result
+    broken, _ = pvalues(target, True, acceptor=accept_bonus_from_unmodified_p, options=ONE_LEVEL)
+    assert min(broken.values()) < ALPHA, broken
+
+
+def test_one_level_of_sampled_children_is_the_first_level_a_grown_tree_keeps(target):
+    """The same draws, tokens, distributions and confidences as growing a tree whose budget keeps only the root's
+    children (its deeper level is drawn after them, then dropped)."""
+    import specula
+
+    head = EagleHead.from_pretrained(HEAD)
+    prompt = encode(target, PROMPT)
+    params = specula.SamplingParams(temperature=1.0)
+    trees = []
+    for depth in (1, 2):
+        drafter = EagleDrafter(target, head, dynamic=True, total_tokens=3, depth=depth, top_k=3)
+        target.reset()
+        out = target.prefill(prompt, drafter.features)
+        drafter.start(prompt, out)
+        context = torch.cat([prompt, torch.tensor([int(out.logits[-1].argmax())])])
+        trees.append(drafter.propose(context, max_depth=10, params=params,
+                                     generator=torch.Generator().manual_seed(7)))
+    one_level, grown = trees
+    assert one_level.parents == grown.parents == [-1, 0, 0, 0]
+    assert torch.equal(one_level.tokens, grown.tokens) and torch.equal(one_level.draft_probs, grown.draft_probs)
+    torch.testing.assert_close(one_level.confidences, grown.confidences)

@@ -243,7 +243,14 @@ class Eagle3Head(nn.Module):
     @torch.no_grad()
     def drafted_logits(self, predicted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(logits [n, Vd] over the draft vocabulary, its target ids [Vd], or None without a mapping)."""
-        return self.draft_logits(predicted), None if self.d2t is None else self.target_vocab_ids()
+        return self.draft_logits(predicted), None if self.d2t is None else self._drafting_vocab_ids()
+
+    def _drafting_vocab_ids(self) -> torch.Tensor:
+        """`target_vocab_ids`, computed once per state of ``d2t`` (a sampled draft asks every cycle: ~50 us)."""
+        key = (self.d2t.data_ptr(), self.d2t._version)
+        if getattr(self, "_vocab_ids_key", None) != key:
+            self._vocab_ids, self._vocab_ids_key = self.target_vocab_ids(), key
+        return self._vocab_ids
 
     @torch.no_grad()
     def top_tokens(self, predicted: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
