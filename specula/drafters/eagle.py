@@ -48,11 +48,7 @@ EAGLE2_BUDGETS = {"cuda": CUDA_DYNAMIC, "cpu": CPU_DYNAMIC}
 # Head-cache slots past the context for a tree's pairs and a padded block's rows (GPU_CHOICES: 10 pairs; the GPU
 # dynamic budgets: 5 and 7 levels of 10; with 64 padding rows at most 134).
 DRAFT_SLOTS = 256
-# At T > 0 the one-level CPU budget draws two children of the root from the head's q instead of one: the acceptor
-# tries the second when the first is rejected. Merged eagle3, SmolLM2 q4_1, 80 MT-bench questions at T=1:
-# docs/benchmarks/smollm2-eagle3-sampled-children (12 questions first: tau 1.38 -> 1.52, 6 % more tokens a ms).
-EAGLE3_BUDGETS = {"cuda": {"total_tokens": 60, "depth": 8, "top_k": 10},
-                  "cpu": {**CPU_DYNAMIC, "sampled_children": 2}}
+EAGLE3_BUDGETS = {"cuda": {"total_tokens": 60, "depth": 8, "top_k": 10}, "cpu": CPU_DYNAMIC}
 
 
 def budget_device(device: torch.device) -> str:
@@ -98,9 +94,6 @@ class EagleDrafter:
         self.total_tokens = total_tokens or budget["total_tokens"]
         self.depth = depth or budget["depth"]
         self.top_k = top_k or budget["top_k"]
-        # The budget's own number of sampled children for a one-level tree at T > 0, unless a size was asked for.
-        given = any(option is not None for option in (total_tokens, depth, top_k))
-        self.sampled_children = None if given else budget.get("sampled_children")
         # EAGLE-2's node value as a stop rule: no level grows under a layer whose best path is less likely.
         self.min_confidence = budget.get("min_confidence", 0.0) if min_confidence is None else min_confidence
         self.choices = sorted(choices or STATIC_TREES[device], key=lambda path: (len(path), path))
@@ -109,7 +102,7 @@ class EagleDrafter:
             raise SpeculaError("eagle2 needs total_tokens, depth and top_k >= 1")
         # Checked here, not mid-generation: the tokens a head can draft bound the children per node.
         draftable = int(getattr(head, "draft_vocab_size", target.vocab_size))
-        widest = max(self.top_k, self.sampled_children or 0) if dynamic else 1 + max(p[-1] for p in self.choices)
+        widest = self.top_k if dynamic else 1 + max(path[-1] for path in self.choices)
         if widest > draftable:
             what = f"top_k {self.top_k}" if dynamic else f"a tree rank of {widest - 1}"
             raise SpeculaError(f"{what} asks for more children per node than the {draftable} tokens the head drafts")
@@ -228,13 +221,11 @@ class EagleDrafter:
 
     def _sampled_one_level(self, root_feature: torch.Tensor, root: torch.Tensor) -> DraftTree:
         """A dynamic tree of depth 1 at T > 0 (the CPU default budget): the root's top_k children drawn from the
-        head's q [1, V] and the first total_tokens of them kept (the budget's ``sampled_children``, where it has
-        them and no size was asked for: that many drawn and kept), the tree `_grow` and `DraftedNodes.as_tree` give
+        head's q [1, V] and the first total_tokens of them kept, the tree `_grow` and `DraftedNodes.as_tree` give
         (the same draws, nodes and distributions) without their bookkeeping (~0.5 ms of small tensor operations per
         draft on a CPU, a sixth of merged eagle3's time at T=1)."""
-        count = self.sampled_children or self.top_k
-        tokens, log_confidences, q = self._children(root_feature, count)
-        keep = self.sampled_children or min(self.top_k, self.total_tokens)
+        tokens, log_confidences, q = self._children(root_feature, self.top_k)
+        keep = min(self.top_k, self.total_tokens)
         draft_probs = torch.cat([torch.zeros_like(q), q.expand(keep, -1)])
         confidences = torch.cat([torch.ones(1), log_confidences[0, :keep].float().exp().cpu()])
         return DraftTree(torch.cat([root, tokens[0, :keep]]), [-1] + [0] * keep, draft_probs, confidences)
