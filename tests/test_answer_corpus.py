@@ -64,7 +64,7 @@ def test_a_later_load_maps_the_kept_sorted_windows_and_a_damaged_copy_is_sorted_
     kept = sorted((tmp_path / "cache" / "answer-index").iterdir())
     assert [p.name.rsplit("-", 1)[1] for p in kept] == ["columns.npy", "order.npy"]
     mapped = AnswerCorpus.load(tmp_path / "answers.safetensors", depth=6)
-    assert isinstance(mapped.order, np.memmap) and isinstance(mapped.columns, np.memmap)
+    assert isinstance(mapped.order.base, np.memmap) and isinstance(mapped.columns.base, np.memmap)  # the files
     deeper = AnswerCorpus.load(tmp_path / "answers.safetensors", depth=4)  # another depth: its own index
     assert deeper.columns.shape[0] == 4 and len(list(kept[0].parent.iterdir())) == 4
     draft = {"budget": 4, "max_depth": 4, "min_prob": 0.0, "spec_factor": 4.0, "tree": True}

@@ -162,7 +162,9 @@ def cached_index(stream: np.ndarray, depth: int, separator: int) -> tuple[np.nda
         order, columns = np.load(order_file, mmap_mode="r"), np.load(columns_file, mmap_mode="r")
         if (order.shape == (size,) and order.dtype == np.int32 and columns.shape == (depth, size)
                 and columns.dtype == dtype):
-            return order, columns
+            # Plain arrays over the mapped files: every slice of a np.memmap pays for the subclass (a draft's
+            # lookups 175-200 us against 101 us, SmolLM2's corpus, 2,000 random phrases).
+            return order.view(np.ndarray), columns.view(np.ndarray)
     except (OSError, ValueError):  # none yet, or truncated: sorted again below
         pass
     order, columns = sort_windows(stream, depth, separator)
