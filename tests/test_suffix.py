@@ -22,7 +22,7 @@ from test_lossless_sampling import (
 from test_smollm2 import transformers_outputs  # noqa: F401 (a fixture, used by name)
 
 import specula
-from specula.drafters.suffix import LONG_CONTEXT, LONG_CONTEXT_NODES, SuffixDrafter, build_suffix_drafter
+from specula.drafters.suffix import SuffixDrafter, build_suffix_drafter
 from specula.drafters.suffix_index import SuffixCorpus, SuffixTrie, best_continuations
 from specula.errors import SpeculaError
 from specula.methods import build_speculator, check_options
@@ -207,18 +207,6 @@ def test_cycles_without_a_draft_defer_the_indexing_and_change_no_later_draft():
     late, usual = idle.propose(context, 4, GREEDY, None), always.propose(context, 4, GREEDY, None)
     assert late.tokens.tolist() == usual.tokens.tolist() and late.kind == usual.kind
     assert idle.index.nodes == always.index.nodes
-
-
-def test_past_a_long_context_a_draft_takes_fewer_nodes():
-    """Verifying a row costs more over a long context: a draft there is cut to `LONG_CONTEXT_NODES` nodes."""
-    phrase = list(range(10, 30))  # said once, then its start again: the draft would copy the rest of it
-    drafter = build_suffix_drafter(num_tokens=8)
-    short = drafter.propose(torch.tensor(phrase + phrase[:3]), 16, GREEDY, None)
-    filler = [40 + i % 1000 for i in range(LONG_CONTEXT)]  # no repeat of the phrase's start in it
-    drafter = build_suffix_drafter(num_tokens=8)
-    long = drafter.propose(torch.tensor(filler + phrase + phrase[:3]), 16, GREEDY, None)
-    assert short.tokens.tolist()[1:] == phrase[3:11]
-    assert LONG_CONTEXT_NODES < 8 and long.tokens.tolist()[1:] == phrase[3:3 + LONG_CONTEXT_NODES]
 
 
 def test_bad_options_are_one_error_before_anything_loads():

@@ -39,20 +39,12 @@ SHARED_SCOPE = "shared"
 # corpus (docs/suffix.md, "The answer corpus"), 2 and 4 gave the same tau and 8 cost more in verification.
 ANSWER_NODES = 2
 MAX_MATCH = 8  # the longest phrase matched by default (the answer corpus is indexed MAX_MATCH + ANSWER_NODES deep)
-# Past this many tokens of context a draft takes at most LONG_CONTEXT_NODES nodes: every verified row attends over the
-# whole context, so a row costs more there (Spec-Bench's 700-1,000-token summarization and RAG prompts, native q4_1,
-# one thread: a suffix cycle's verify 19.4 ms against vanilla's one-token 12.6, where on short prompts it is ~1.2x).
-# Measured side by side on 5 questions each (docs/benchmarks/smollm2-native-spec-bench/n4/): 4 nodes against 8
-# gave summarization 1.25x / 1.17x vanilla, RAG 1.29x / 1.25x, MT-bench 1.71x / 1.71x (compiled q4_1 earlier:
-# 1.15x / 1.09x, 1.21x / 1.17x, and MT-bench 1.67x / 1.75x, whose prompts are almost all shorter than 512).
-LONG_CONTEXT = 512
-LONG_CONTEXT_NODES = 4
 
 
 class SuffixDrafter:
     """Drafts from a suffix index of the current generation and, optionally, of earlier ones.
 
-    num_tokens:   draft nodes per cycle at most (at most `LONG_CONTEXT_NODES` past `LONG_CONTEXT` tokens of context).
+    num_tokens:   draft nodes per cycle at most.
     max_match:    longest phrase matched (tokens); the index depth is max_match + num_tokens.
     spec_factor:  draft nodes allowed per matched token (a longer match drafts more).
     min_prob:     smallest path probability a draft node may have.
@@ -110,8 +102,7 @@ class SuffixDrafter:
             return DraftTree.root_only(root, device=context.device)
         self._open = self.index.extend(self._open, self._text[self._indexed:])
         self._indexed = len(self._text)
-        budget = self.num_tokens if len(self._text) < LONG_CONTEXT else min(self.num_tokens, LONG_CONTEXT_NODES)
-        draft = {"budget": budget, "max_depth": max_depth, "min_prob": self.min_prob,
+        draft = {"budget": self.num_tokens, "max_depth": max_depth, "min_prob": self.min_prob,
                  "spec_factor": self.spec_factor, "tree": self.tree}
         best, source = best_continuations(self._open[:self.max_match], **draft), "conversation"
         if self.scope is not None:
@@ -119,7 +110,7 @@ class SuffixDrafter:
             other = self.corpus.propose(self.scope, tail, self.max_match, **draft)
             if other.score > best.score:
                 best, source = other, "earlier conversations"
-        nodes = min(budget, self.answer_nodes)
+        nodes = min(self.num_tokens, self.answer_nodes)
         if self.answers is not None and best.score < nodes:  # a draft of n nodes scores at most n: else unbeatable
             other = self.answers.propose(self._text[-self.max_match:], self.max_match, **{**draft, "budget": nodes})
             if other.score > best.score:
