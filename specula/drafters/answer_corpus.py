@@ -131,11 +131,15 @@ class AnswerCorpus:
         return cls(stream, depth, separator, metadata.get("tokenizer", ""), cached_index(stream, depth, separator))
 
 
+def column_dtype(separator: int) -> type:
+    """The sorted columns' integer type: uint16 where the ``separator`` (larger than every id) fits, else int32."""
+    return np.uint16 if separator <= np.iinfo(np.uint16).max else np.int32
+
+
 def sort_windows(stream: np.ndarray, depth: int, separator: int) -> tuple[np.ndarray, np.ndarray]:
     """(order int32 [n]: the positions of ``stream`` [n] sorted by the ``depth`` tokens starting there; columns
-    [depth, n]: the token j places into each sorted window, uint16 where ``separator`` fits, else int32)."""
-    size = int(stream.shape[0])
-    dtype = np.uint16 if separator <= np.iinfo(np.uint16).max else np.int32
+    [depth, n]: the token j places into each sorted window, of `column_dtype`)."""
+    size, dtype = int(stream.shape[0]), column_dtype(separator)
     # Windows past the end read separators: no phrase runs over the end of the last text.
     padded = np.concatenate([stream.astype(dtype), np.full(depth, separator, dtype)])
     order = np.lexsort([padded[j:j + size] for j in reversed(range(depth))]).astype(np.int32)
@@ -156,8 +160,7 @@ def cached_index(stream: np.ndarray, depth: int, separator: int) -> tuple[np.nda
     cannot be written costs only the sort)."""
     base = index_path(stream, depth, separator)
     order_file, columns_file = base.with_name(base.name + "-order.npy"), base.with_name(base.name + "-columns.npy")
-    size = int(stream.shape[0])
-    dtype = np.uint16 if separator <= np.iinfo(np.uint16).max else np.int32
+    size, dtype = int(stream.shape[0]), column_dtype(separator)
     try:
         order, columns = np.load(order_file, mmap_mode="r"), np.load(columns_file, mmap_mode="r")
         if (order.shape == (size,) and order.dtype == np.int32 and columns.shape == (depth, size)

@@ -66,6 +66,14 @@ def check_head_fits(head: DraftHead, hidden_size: int, vocab_size: int) -> None:
         raise SpeculaError(f"EAGLE head vocabulary {head_vocab} does not fit the target's {vocab_size}")
 
 
+def root_children_tree(root: torch.Tensor, tokens: torch.Tensor, log_confidences: torch.Tensor,
+                       draft_probs: torch.Tensor | None) -> DraftTree:
+    """A tree of depth 1: the root [1] and its children ``tokens`` [k] with the draft's log-confidences [k] in them;
+    ``draft_probs`` [k + 1, V] (a zero row for the root) or None for chosen, not sampled, children."""
+    confidences = torch.cat([torch.ones(1), log_confidences.float().exp().cpu()])
+    return DraftTree(torch.cat([root, tokens]), [-1] + [0] * tokens.shape[0], draft_probs, confidences)
+
+
 class EagleDrafter:
     """Drafts trees with any `DraftHead` (EAGLE-1 or EAGLE-3).
 
@@ -216,8 +224,7 @@ class EagleDrafter:
         tensor operations per draft on a CPU)."""
         if ranks != list(range(len(ranks))):
             tokens, log_confidences = tokens[:, ranks], log_confidences[:, ranks]
-        confidences = torch.cat([torch.ones(1), log_confidences[0].float().exp().cpu()])
-        return DraftTree(torch.cat([root, tokens[0]]), [-1] + [0] * len(ranks), None, confidences)
+        return root_children_tree(root, tokens[0], log_confidences[0], None)
 
     def _sampled_one_level(self, root_feature: torch.Tensor, root: torch.Tensor) -> DraftTree:
         """A dynamic tree of depth 1 at T > 0 (the CPU default budget): the root's top_k children drawn from the
@@ -227,8 +234,7 @@ class EagleDrafter:
         tokens, log_confidences, q = self._children(root_feature, self.top_k)
         keep = min(self.top_k, self.total_tokens)
         draft_probs = torch.cat([torch.zeros_like(q), q.expand(keep, -1)])
-        confidences = torch.cat([torch.ones(1), log_confidences[0, :keep].float().exp().cpu()])
-        return DraftTree(torch.cat([root, tokens[0, :keep]]), [-1] + [0] * keep, draft_probs, confidences)
+        return root_children_tree(root, tokens[0, :keep], log_confidences[0, :keep], draft_probs)
 
     def _children(self, features: torch.Tensor, count: int):
         """``count`` child tokens per row of predicted features [rows, H]: (tokens, log-confidences, q or None).

@@ -109,8 +109,8 @@ def decode_threads(device: torch.device) -> contextlib.AbstractContextManager:
     """The context a decode step on ``device`` runs in: `DecodeThreads.step` of the process's chooser where it applies
     (see the module), else nothing."""
     global _shared
-    cpus = spare_cpus(device)
-    if not auto_threads() or cpus is None:
+    cpus = spare_cpus(device) if auto_threads() else None  # the user's own choice of threads asks nothing more
+    if cpus is None:
         return contextlib.nullcontext()
     if _shared is None:
         _shared = DecodeThreads((1, cpus))  # torch runs on fewer than cpus <= 2: one
