@@ -124,8 +124,6 @@ SUFFIX_OPTIONS = (
     OptionSpec("spec_factor", "float", "--suffix-spec-factor", "suffix: draft nodes per matched token", 0.0, "F"),
     OptionSpec("min_prob", "float", "--suffix-min-prob", "suffix: least path probability of a draft node", 0.0, "P"),
     OptionSpec("chain", "bool", "--suffix-chain", "suffix: draft chains, never branch"),
-    OptionSpec("sampled_nodes", "int", "--suffix-sampled-nodes", "suffix: draft nodes per cycle at most when "
-               "sampling (T > 0), where a copied token is accepted only with the target's probability", 1, "N"),
     OptionSpec("corpus", "bool", "--suffix-corpus", "suffix: draft from this process's earlier answers too, one "
                "corpus shared by every generation (in serve: by every client)"),
     OptionSpec("corpus_nodes", "int", "--suffix-corpus-nodes", "suffix: corpus cap in trie nodes (~72 B each); "

@@ -173,21 +173,6 @@ def test_forks_keep_their_own_generation():
     assert propose(build_suffix_drafter(), a) == first_draft.tokens[1:].tolist()
 
 
-def test_sampling_drafts_at_most_sampled_nodes_and_greedy_the_whole_budget():
-    """At T > 0 a copied token is accepted only with the target's probability of it: a cycle drafts fewer nodes."""
-    text = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 1, 2, 3]
-    sampled = SamplingParams(temperature=1.0)
-    for nodes in (1, 2, 5):
-        drafter = build_suffix_drafter(sampled_nodes=nodes)
-        drafter.start(torch.tensor(text[:1]), None)
-        assert drafter.propose(torch.tensor(text), 8, sampled, None).tokens[1:].tolist() == text[3:3 + nodes]
-        drafter.start(torch.tensor(text[:1]), None)
-        assert drafter.propose(torch.tensor(text), 8, GREEDY, None).tokens[1:].tolist() == text[3:11]
-    assert "sampled_nodes" in check_options("suffix", {"sampled_nodes": 3})
-    with pytest.raises(SpeculaError):
-        build_suffix_drafter(sampled_nodes=0)
-
-
 def test_concurrent_writers_and_readers_keep_the_cap():
     corpus = SuffixCorpus(max_nodes=500, depth=8)
     errors = []
@@ -298,9 +283,7 @@ def sampled_pvalue(target: Target, case: str, acceptor=None) -> tuple[float, int
     text, max_match = CASES[case]
     prompt = torch.tensor(target.tokenizer(text)["input_ids"], dtype=torch.long)
     exact = exact_sequence_distribution(target, prompt, E2E_PARAMS, 4)
-    # sampled_nodes as the greedy budget: deeper point-mass trees than the default's two nodes go through the test
-    drafter = RecordingDrafter(max_match=max_match, sampled_nodes=8)
-    counts, accepted = run_generation(target, drafter, prompt, acceptor)
+    counts, accepted = run_generation(target, RecordingDrafter(max_match=max_match), prompt, acceptor)
     return min(fit_pvalues(counts, exact, 4).values()), accepted
 
 

@@ -39,12 +39,6 @@ SHARED_SCOPE = "shared"
 # corpus (docs/suffix.md, "The answer corpus"), 2 and 4 gave the same tau and 8 cost more in verification.
 ANSWER_NODES = 2
 MAX_MATCH = 8  # the longest phrase matched by default (the answer corpus is indexed MAX_MATCH + ANSWER_NODES deep)
-# Draft nodes a cycle takes when sampling (T > 0). A point-mass draft is then accepted with the target's probability of
-# its token, not whenever it is the argmax: on 24 MT-bench first turns at T=1 (SmolLM2 q4_1) a first-level node was
-# accepted 9-10 % of the time, a second-level one 3-4 %, deeper ones 1-2 % (38-40 % at T=0 on Spec-Bench), while each
-# verify row costs ~5 % of a step. Replayed against the measured verify-cost curve, 1 or 2 nodes gave 1.084-1.085x
-# vanilla, 3: 1.078x, 8 (the greedy budget): 1.040x.
-SAMPLED_NODES = 2
 
 
 class SuffixDrafter:
@@ -60,8 +54,6 @@ class SuffixDrafter:
     answers:      a fixed corpus of the target's own answers (`AnswerCorpus`), or None.
     answer_nodes: draft nodes per cycle at most when the draft comes from ``answers``: its phrases are common
                   ones, right less often than an earlier phrase of the same conversation.
-    sampled_nodes: draft nodes per cycle at most when sampling (T > 0), where a copied token is accepted only
-                  with the target's probability of it (`SAMPLED_NODES`).
     """
 
     name = "suffix"
@@ -69,10 +61,9 @@ class SuffixDrafter:
 
     def __init__(self, num_tokens: int = 8, max_match: int = MAX_MATCH, spec_factor: float = 4.0, min_prob: float = 0.1,
                  tree: bool = True, corpus: SuffixCorpus | None = None, scope: str | None = None,
-                 answers: AnswerCorpus | None = None, answer_nodes: int = ANSWER_NODES,
-                 sampled_nodes: int = SAMPLED_NODES):
-        if num_tokens < 1 or max_match < 1 or sampled_nodes < 1:
-            raise SpeculaError("suffix needs num_tokens >= 1, max_match >= 1 and sampled_nodes >= 1")
+                 answers: AnswerCorpus | None = None, answer_nodes: int = ANSWER_NODES):
+        if num_tokens < 1 or max_match < 1:
+            raise SpeculaError("suffix needs num_tokens >= 1 and max_match >= 1")
         if spec_factor <= 0 or not 0 <= min_prob <= 1:
             raise SpeculaError("suffix needs spec_factor > 0 and 0 <= min_prob <= 1")
         if scope is not None and corpus is None:
@@ -80,7 +71,7 @@ class SuffixDrafter:
         self.num_tokens, self.max_match, self.spec_factor = num_tokens, max_match, spec_factor
         self.min_prob, self.tree = min_prob, tree
         self.corpus, self.scope = corpus, scope
-        self.answers, self.answer_nodes, self.sampled_nodes = answers, answer_nodes, sampled_nodes
+        self.answers, self.answer_nodes = answers, answer_nodes
         self.depth = max_match + num_tokens
         self._reset()
 
@@ -111,8 +102,7 @@ class SuffixDrafter:
             return DraftTree.root_only(root, device=context.device)
         self._open = self.index.extend(self._open, self._text[self._indexed:])
         self._indexed = len(self._text)
-        budget = self.num_tokens if params.greedy else min(self.num_tokens, self.sampled_nodes)
-        draft = {"budget": budget, "max_depth": max_depth, "min_prob": self.min_prob,
+        draft = {"budget": self.num_tokens, "max_depth": max_depth, "min_prob": self.min_prob,
                  "spec_factor": self.spec_factor, "tree": self.tree}
         best, source = best_continuations(self._open[:self.max_match], **draft), "conversation"
         if self.scope is not None:
@@ -120,7 +110,7 @@ class SuffixDrafter:
             other = self.corpus.propose(self.scope, tail, self.max_match, **draft)
             if other.score > best.score:
                 best, source = other, "earlier conversations"
-        nodes = min(budget, self.answer_nodes)
+        nodes = min(self.num_tokens, self.answer_nodes)
         if self.answers is not None and best.score < nodes:  # a draft of n nodes scores at most n: else unbeatable
             other = self.answers.propose(self._text[-self.max_match:], self.max_match, **{**draft, "budget": nodes})
             if other.score > best.score:
@@ -155,7 +145,7 @@ class SuffixDrafter:
 
     def _copy(self, scope: str | None) -> SuffixDrafter:
         return SuffixDrafter(self.num_tokens, self.max_match, self.spec_factor, self.min_prob, self.tree,
-                             self.corpus, scope, self.answers, self.answer_nodes, self.sampled_nodes)
+                             self.corpus, scope, self.answers, self.answer_nodes)
 
 
 def draft_kind(source: str, match: int) -> str:
@@ -177,7 +167,7 @@ def _tree(root: int, candidates: Candidates, source: str, device: torch.device) 
 
 def build_suffix_drafter(num_tokens: int = 8, max_match: int = MAX_MATCH, spec_factor: float = 4.0,
                          min_prob: float = 0.1, tree: bool = True, corpus: bool = False, corpus_nodes: int = 1 << 18,
-                         answers: AnswerCorpus | None = None, sampled_nodes: int = SAMPLED_NODES) -> SuffixDrafter:
+                         answers: AnswerCorpus | None = None) -> SuffixDrafter:
     """The drafter `specula.load(method="suffix")` uses: a corpus object of ``corpus_nodes`` nodes (about
     `NODE_BYTES` each) always exists for `for_client`; ``corpus`` True shares it across every generation;
     ``answers`` the target's own answers (read-only, shared by every fork: never the clients' text)."""
@@ -186,4 +176,4 @@ def build_suffix_drafter(num_tokens: int = 8, max_match: int = MAX_MATCH, spec_f
         raise SpeculaError(f"suffix corpus_nodes must be >= max_match + num_tokens ({depth}), got {corpus_nodes}")
     store = SuffixCorpus(corpus_nodes, depth)
     return SuffixDrafter(num_tokens, max_match, spec_factor, min_prob, tree, store,
-                         SHARED_SCOPE if corpus else None, answers, sampled_nodes=sampled_nodes)
+                         SHARED_SCOPE if corpus else None, answers)
