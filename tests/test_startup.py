@@ -67,6 +67,7 @@ def test_a_prompt_runs_on_both_cpus_of_a_small_machine_with_the_same_bits(weight
     monkeypatch.setattr(target.runtime, "forward", spy)
     prompt, previous, outputs = torch.arange(3, 103), torch.get_num_threads(), []
     torch.set_num_threads(1)  # what a 2-CPU machine decodes on
+    openmp.set_auto_threads(True)  # Specula chose the threads (the conftest fixture sets it back after the test)
     try:
         for first_threaded_prompt in (target_module.PROMPT_THREADS_FROM, 10 ** 9):  # then never: one thread
             monkeypatch.setattr(target_module, "PROMPT_THREADS_FROM", first_threaded_prompt)
@@ -75,7 +76,15 @@ def test_a_prompt_runs_on_both_cpus_of_a_small_machine_with_the_same_bits(weight
             prompt_logits = target.forward(prompt, last_logits_only=True).logits
             target.commit()
             outputs.append((prompt_logits, target.forward(torch.tensor([7])).logits))  # reads the prompt's cache
-        assert threads == [2, 1, 1, 1] and torch.get_num_threads() == 1  # decoding steps stay on one
+        # The prompts (calls 0 and 2): on two threads, then on one; the steps between are the chooser's
+        # (`specula.runtime.decode_threads`). torch's setting is back to one after each.
+        assert threads[0::2] == [2, 1] and torch.get_num_threads() == 1
+        # A thread count the user chose (specula.load(threads=1), --threads 1) holds for prompts too.
+        openmp.set_auto_threads(False)
+        monkeypatch.setattr(target_module, "PROMPT_THREADS_FROM", 8)
+        target.reset()
+        target.forward(prompt, last_logits_only=True)
+        assert threads[-1] == 1
     finally:
         torch.set_num_threads(previous)
     assert all(torch.equal(a, b) for a, b in zip(*outputs, strict=True))
