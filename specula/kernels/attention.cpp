@@ -18,8 +18,9 @@
 // at a time for all the queries of one kv head (its query heads times the rows), so that a tile is read into the
 // L1 cache once and not by every query: SmolLM2's shapes (9 heads, 3 kv heads), 10 rows over 1,000 slots,
 // 553 -> 430 us a call, one row 62 -> 53 us (one thread, AMD EPYC). Pairing queries to share each loaded key
-// and value in registers as well was slower (592 us). The packed op does the same per sequence: 16 sequences of
-// one row after 400 slots, 500 -> 369-381 us a call.
+// and value in registers as well was slower with AVX2's 16 registers (592 us); with AVX-512VL's 32, three queries
+// share them (`kGroup`, below). The packed op does the same per sequence: 16 sequences of one row after 400 slots,
+// 500 -> 369-381 us a call.
 // It is not bit-equal to SDPA (a different order of sums and another exp); the eager and the compiled step
 // both call it, so a target attends the same way in both.
 //
