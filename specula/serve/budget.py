@@ -13,7 +13,7 @@ measured drafting seconds per depth level, n(d) the mean nodes a draft holds dow
 τ(d) = 1 + Σ_{i≤d} P(a cycle accepts ≥ i drafts), all measured on the traffic served (acceptance per
 depth i as accepted ≥ i over the cycles whose cap allowed depth i, whatever the drafter then drafted). Before any
 traffic each depth starts at `PRIOR_ACCEPTANCE` with the weight of `PRIOR_CYCLES` cycles, and one
-sequence-cycle in about 60 drafts uncapped so that depths a cap hides keep being measured (one
+sequence in about 60 passes drafts uncapped so that depths a cap hides keep being measured (one
 sequence at a time: sixteen uncapped trees at once would double that cycle's cost). A method whose
 drafts do not pay on this machine thus falls back towards plain decoding, at any batch size. Drafts of
 different kinds (`DraftTree.kind`: the suffix drafter's source and match length) are accepted at different
@@ -33,8 +33,10 @@ from specula.runtime.verify_cost import measure_verify_curve, verify_cost
 DEFAULT_MAX_BATCH = 16  # sequences per packed forward: SmolLM2 q4_1 151 tok/s at 16 vs 134 at 8, 164 at 32 (2x latency)
 PRIOR_ACCEPTANCE = 0.5  # P(depth i accepted | depth i-1 accepted) before any traffic
 PRIOR_CYCLES = 4  # how many cycles' weight that prior carries
-# One sequence-cycle in this many drafts as deep as the method likes; prime, so that with 2, 4, 8 or 16
-# sequences the exploring one is not always the same position of the batch.
+# One sequence in this many passes drafts as deep as the method likes: every EXPLORE_EVERY * B + 1 sequence-cycles
+# at B sequences a pass, so that the exploring draft costs a pass the same share at any batch (it was one
+# sequence-cycle in 61: at 16 sequences an uncapped 8-node draft beside 16 one-token rows every ~4 passes, which
+# cost the server ~5 % at 16 clients), and the + 1 moves it to the next position of the batch each time.
 EXPLORE_EVERY = 61
 REPLAN_EVERY = 32  # cycles observed between two plans
 MAX_DEPTH = 32  # depths tracked
@@ -113,7 +115,8 @@ class DraftBudget:
         self.deepest = 0  # the deepest draft seen: the drafter's own depth
         self.draft_seconds, self.draft_levels = 0.0, 0
         self._plans: dict[int, DepthCaps] = {}
-        self._observed = self._calls = 0
+        self._observed = 0
+        self._until_explore = EXPLORE_EVERY  # sequence-cycles before the next uncapped draft
 
     def observe(self, nodes_per_depth: Sequence[int], accepted: int, draft_seconds: float,
                 cap: int | None = None, kind: str = "") -> None:
@@ -151,8 +154,11 @@ class DraftBudget:
     def caps(self, batch: int) -> DepthCaps:
         if self.table is not None:
             return DepthCaps(self.table[max(b for b in self.table if b <= batch)])
-        self._calls += 1
-        if self.deepest == 0 or self._calls % EXPLORE_EVERY == 0:
+        if self.deepest == 0:
+            return DepthCaps(None)
+        self._until_explore -= 1
+        if self._until_explore <= 0:
+            self._until_explore = EXPLORE_EVERY * batch + 1
             return DepthCaps(None)
         if batch not in self._plans:
             by_kind = {kind: self.best_depth(batch, kind) for kind in self.kinds}
