@@ -307,7 +307,7 @@ void attend_queries(const std::vector<Query>& queries, int64_t shared, const flo
       else
         accumulate_values<1>(&scores[a], v_head, value_stride, AllSlots{}, shared, query.count, d, &sums[a]);
     }
-    normalise(acc.data() + a * d, norms[a], d, query.out);
+    normalise(sums[a], norms[a], d, query.out);
   }
 }
 

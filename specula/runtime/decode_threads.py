@@ -92,9 +92,12 @@ class DecodeThreads:
 
 
 def spare_cpus(device: torch.device) -> int | None:
-    """The CPUs a block on ``device`` may run on beyond torch's setting: all of them where ``device`` is the CPU of a
-    machine of at most two (`specula.openmp.few_cpus`), torch runs on fewer, and the user set no
+    """The CPUs a block on ``device`` may run on beyond torch's setting: all of them where Specula chose the thread
+    count (`specula.openmp.auto_threads`: a user's ``--threads N`` or ``specula.load(threads=N)`` holds), ``device``
+    is the CPU of a machine of at most two (`specula.openmp.few_cpus`), torch runs on fewer, and the user set no
     ``OMP_NUM_THREADS``; else None. Shared by prompts (`specula.runtime.target.prompt_threads`) and decode steps."""
+    if not auto_threads():  # asked first: a decode step asks every time, and os.cpu_count costs ~6 us
+        return None
     cpus = os.cpu_count() or 1
     if (device.type != "cpu" or not few_cpus(cpus) or "OMP_NUM_THREADS" in os.environ
             or torch.get_num_threads() >= cpus):
@@ -109,7 +112,7 @@ def decode_threads(device: torch.device) -> contextlib.AbstractContextManager:
     """The context a decode step on ``device`` runs in: `DecodeThreads.step` of the process's chooser where it applies
     (see the module), else nothing."""
     global _shared
-    cpus = spare_cpus(device) if auto_threads() else None  # the user's own choice of threads asks nothing more
+    cpus = spare_cpus(device)
     if cpus is None:
         return contextlib.nullcontext()
     if _shared is None:

@@ -18,7 +18,6 @@ import torch
 from specula.chat.template import end_of_turn_ids
 from specula.errors import SpeculaError
 from specula.kernels import has_cpp_compiler
-from specula.openmp import auto_threads
 from specula.runtime.compiled_step import CompiledStep, warm_up_blocks
 from specula.runtime.decode_threads import decode_threads, spare_cpus
 from specula.runtime.forward import (
@@ -192,11 +191,10 @@ def prompt_threads(tokens: int, device: torch.device) -> Iterator[None]:
     EPYC). Every kernel a prompt runs computes each output on one thread in a fixed order, so the logits and the
     cache are the same bits either way (`tests/test_startup.py`). Shorter blocks, GPUs, larger machines, an
     ``OMP_NUM_THREADS`` of the user's and a thread count the user chose (``--threads N``, ``specula.load(threads=N)``,
-    ``bench``'s threads: `specula.openmp.auto_threads` False) are left as they are: a second thread the user did not
+    ``bench``'s threads: `spare_cpus`) are left as they are: a second thread the user did not
     ask for spins between the prompt's calls on the core another process (a bench's llama.cpp row, a test suite's
     other worker) was promised."""
-    threaded = tokens >= PROMPT_THREADS_FROM and auto_threads()
-    cpus, current = spare_cpus(device) if threaded else None, torch.get_num_threads()
+    cpus, current = spare_cpus(device) if tokens >= PROMPT_THREADS_FROM else None, torch.get_num_threads()
     if cpus is None:
         yield
         return
