@@ -29,6 +29,7 @@ import traceback
 from pathlib import Path
 
 import torch
+from cpu_threads import save_random_llama
 
 from specula.certify.check import check
 from specula.runtime.forward import FeatureRequest
@@ -78,15 +79,48 @@ def packed_equal(target: Target) -> list[int]:
     return differ
 
 
-def cell_runner(results: dict, out: Path, started: float, budget: float, only: list[str] | None = None):
+def random_llama(directory: Path, tokenizer_from: Path) -> Path:
+    """A Llama of random weights with a 1B model's layer shapes (hidden 2,048, 16 query and 4 key-value heads of
+    128, MLP 5,632; 4 layers, 4,096 positions) and ``tokenizer_from``'s tokenizer, saved once to ``directory``."""
+    if not (directory / "config.json").exists():
+        save_random_llama(directory, tokenizer_from, vocab_size=512, hidden_size=2048, intermediate_size=5632,
+                          num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4,
+                          max_position_embeddings=4096)
+    return directory
+
+
+def eager_step_times(path: Path, device: torch.device, padded: bool, timed: int = 100) -> dict:
+    """ms per eager 1-, 4- and 8-token step of ``path`` in bfloat16 after a 2,000-token prompt, with blocks padded
+    to the compiled step's one shape (the default off a CPU: `compiled_step.pads_eager_blocks`) or not."""
+    target = Target.load(path, dtype="float32", device=device, weights="bfloat16")
+    if not padded:
+        target.runtime.padded = None
+    target.prefill(torch.arange(2000, device=device) % 500 + 3)
+    found = {}
+    for n in (1, 4, 8):
+        block = torch.arange(5, 5 + n, device=device)
+        for repeat in range(5 + timed):
+            if repeat == 5:
+                torch.cuda.synchronize(device)
+                t0 = time.perf_counter()
+            target.forward(block).logits.argmax()
+            target.commit([])
+        torch.cuda.synchronize(device)
+        found[f"ms per {n}-token step"] = round((time.perf_counter() - t0) / timed * 1000, 3)
+    return found
+
+
+def cell_runner(results: dict, out: Path, started: float, budget: float, only: list[str] | None = None,
+                skip: list[str] | None = None):
     """``cell(kind, name, run)``: runs ``run()`` (a dict of findings) unless ``budget`` seconds have passed since
-    ``started`` (then it is recorded as not run) or ``only`` leaves it out; an exception is recorded as a finding.
+    ``started`` (then it is recorded as not run), ``only`` leaves it out or ``skip`` names it; an exception is
+    recorded as a finding.
     Each record goes into ``results["cells"]``, the whole of ``results`` to ``out`` (JSON) and a line to stdout."""
 
     def cell(kind: str, name: str, run) -> None:
         label = f"{kind} {name}".strip()
         record = {"kind": kind, "name": name} if kind else {"name": name}
-        if only and not any(text in label for text in only):
+        if (only and not any(text in label for text in only)) or (skip and any(text in label for text in skip)):
             return
         if time.perf_counter() - started > budget:
             record["status"] = "not run (time budget)"
@@ -121,6 +155,8 @@ def main() -> int:
                         metavar="F,...", help="formats of the compiled cells, in order (default: float32)")
     parser.add_argument("--only", nargs="+", metavar="TEXT",
                         help="run only the cells whose '<kind> <name>' contains one of these (a second run's share)")
+    parser.add_argument("--skip", nargs="+", metavar="TEXT",
+                        help="leave out the cells whose '<kind> <name>' contains one of these")
     args = parser.parse_args()
     stories = args.models / "stories260k"
     device = torch.device(args.device)
@@ -130,7 +166,7 @@ def main() -> int:
                                "python": platform.python_version()},
                "cells": []}
 
-    cell = cell_runner(results, args.out, started, args.budget, args.only)
+    cell = cell_runner(results, args.out, started, args.budget, args.only, args.skip)
 
     for fmt in FORMATS:
         cell("invariance", f"{fmt} eager", lambda fmt=fmt: {
@@ -138,6 +174,15 @@ def main() -> int:
     for fmt in ("float32", "bfloat16", "int8", "q4_1"):
         cell("packed", f"{fmt} eager", lambda fmt=fmt: {
             "differing_sequences": packed_equal(Target.load(stories, dtype="float32", device=device, weights=fmt))})
+    big = Path("/tmp/random-llama")
+    for fmt in ("bfloat16", "float32"):
+        cell("invariance", f"{fmt} eager, random 1B-shaped Llama after 2,000 tokens", lambda fmt=fmt: {
+            "mismatched": mismatched_blocks(Target.load(random_llama(big, stories), dtype="float32", device=device,
+                                                        weights=fmt), CHAINS, TREE_PARENTS, prompt_length=2000)})
+    for turn in (1, 2):
+        for padded in (True, False):
+            cell("cost", f"bfloat16 eager steps, blocks {'padded to 64' if padded else 'unpadded'}, turn {turn}",
+                 lambda padded=padded: eager_step_times(random_llama(big, stories), device, padded))
 
     def run_check(method: str, fmt: str, temperature: float, compile: bool = False) -> dict:
         draft = DRAFTS[method]

@@ -7,10 +7,12 @@ the attention kernel over compacted visible keys, the float32 linear kernel, the
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import STORIES, tiny_model
+from conftest import STORIES, STORY_PROMPTS, tiny_model
 
 from specula.kernels import attention, q4_1
 from specula.kernels import float32 as float32_kernel
@@ -61,6 +63,25 @@ def test_compiled_verify_rows_equal_compiled_one_token_steps(fmt):
     target = Target.load(STORIES, dtype="float32", weights=fmt)
     target.compile()
     assert check_target(target, [1, 2, 3, 4, 5, 8, 11, 16, 24, 33, 48, 64]) == {}
+
+
+@needs_attention
+@pytest.mark.parametrize("fmt", [format_param(f) for f in ("float32", "int4")])
+def test_eager_blocks_padded_as_off_a_cpu_keep_every_row_and_every_answer(fmt, monkeypatch):
+    """Off a CPU an eager block runs padded to the compiled step's shape (`pads_eager_blocks`); here that path runs
+    on the CPU: each row still gets the bits of its one-token steps, and speculative greedy output is vanilla's."""
+    import specula
+    import specula.runtime.forward as forward
+
+    monkeypatch.setattr(forward, "pads_eager_blocks", lambda device: True)
+    target = Target.load(STORIES, dtype="float32", weights=fmt)
+    assert target.runtime.padded is not None and not target.compiled
+    assert check_target(target, [1, 2, 3, 5, 11, 16, 64]) == {}
+    head = Path(__file__).parent / "data" / "eagle3-stories260k"
+    answers = {method: specula.load(STORIES, method=method, draft=draft, dtype="float32", weights=fmt)
+               .generate(STORY_PROMPTS[0], max_new_tokens=40).token_ids
+               for method, draft in (("vanilla", None), ("pld", None), ("eagle3", head))}
+    assert answers["pld"] == answers["vanilla"] and answers["eagle3"] == answers["vanilla"]
 
 
 @needs_attention

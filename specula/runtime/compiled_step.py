@@ -158,14 +158,31 @@ def slot_layer_step(layer: torch.nn.Module, fused: FusedProjections, x: torch.Te
     return layer_output(layer, x, attended, fused)
 
 
-class CompiledStep:
-    """Runs a `LlamaFamilyRuntime`'s forward for blocks of up to 64 tokens (`block_buckets`), each decoder layer
-    through one compiled graph (`slot_layer_step`); the embedding, final norm and LM head stay eager."""
+def pads_eager_blocks(device: torch.device) -> bool:
+    """Whether an eager block on ``device`` runs padded to the compiled step's shape too (`CompiledStep` with
+    ``compile=False``): off a CPU. There cuBLAS and SDPA choose their kernels (and the order of their sums) by the
+    rows in a call, so an eager k-token verify pass rounded differently from a one-token step in every format (on
+    an H200: bfloat16 3 rows of a 16-token chain, int4 all 4 of a 4-token one, float32 every row of every block);
+    at the one shape (`GPU_BLOCK_BUCKETS`) each row gets the bits it gets alone, as the compiled step showed. A CPU
+    runs Specula's own row-invariant kernels, at any number of rows."""
+    return device.type != "cpu"
 
-    def __init__(self, runtime):
+
+class CompiledStep:
+    """Runs a `LlamaFamilyRuntime`'s forward for blocks of up to 64 tokens, each padded to its bucket
+    (`block_buckets`), each decoder layer through one compiled graph (`slot_layer_step`); the embedding, final norm
+    and LM head stay eager. With ``compile=False`` the same padded step runs eager (`pads_eager_blocks`)."""
+
+    def __init__(self, runtime, compile: bool = True):
         self.runtime = runtime
-        self.layer_step = Precompiled(slot_layer_step, runtime.cache.keys[0].device, guard_modules=True)
-        allocate_whole(runtime.cache)  # the allocation is a shape: one for good
+        cache = runtime.cache
+        if compile:
+            self.layer_step = Precompiled(slot_layer_step, cache.keys[0].device, guard_modules=True)
+            allocate_whole(cache)  # the allocation is a shape: one for good
+        else:
+            self.layer_step = slot_layer_step
+            # The cache still grows on demand, but a block near the context limit keeps room for its padding.
+            cache.padding = max(block_buckets(cache.keys[0].device)) - 1
 
     def accepts(self, n: int) -> bool:
         """Whether a block of n tokens takes this path (else the eager step runs it): not a prefill."""

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specula.errors import SpeculaError
-from specula.runtime.compiled_step import CompiledStep
+from specula.runtime.compiled_step import CompiledStep, pads_eager_blocks
 from specula.runtime.native_decoder import NativeDecoder
 from specula.runtime.static_cache import (
     FusedProjections,
@@ -89,6 +89,8 @@ class LlamaFamilyRuntime:
         self.windows = [getattr(layer.self_attn, "sliding_window", None) or mistral_window for layer in self.layers]
         self.fused = [FusedProjections(layer) for layer in self.layers]
         self.compiled: CompiledStep | None = None  # set by Target.compile
+        # Off a CPU, eager blocks run at the compiled step's one shape (row invariance there: `pads_eager_blocks`).
+        self.padded = CompiledStep(self, compile=False) if pads_eager_blocks(param.device) else None
         self._native: NativeDecoder | None | bool = False  # False: not built yet (`native`)
 
     def fork(self) -> LlamaFamilyRuntime:
@@ -96,6 +98,7 @@ class LlamaFamilyRuntime:
         other = copy.copy(self)
         other.cache = self.cache.empty_like()
         other.compiled = None
+        other.padded = None if self.padded is None else CompiledStep(other, compile=False)
         return other
 
     def release(self) -> None:
@@ -135,8 +138,9 @@ class LlamaFamilyRuntime:
 
     def forward(self, tokens, positions, block_mask, features: FeatureRequest,
                 last_logits_only: bool = False) -> ForwardOutput:
-        if self.compiled is not None and self.compiled.accepts(tokens.shape[0]) and not last_logits_only:
-            return self.compiled(tokens, positions, block_mask, features)
+        padded = self.compiled or self.padded
+        if padded is not None and padded.accepts(tokens.shape[0]) and not last_logits_only:
+            return padded(tokens, positions, block_mask, features)
         prefix = self.cache.length
         masks = {w: block_attention_mask(prefix, positions, block_mask, w) for w in set(self.windows)}
         causal = block_mask is None and prefix == 0

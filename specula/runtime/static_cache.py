@@ -49,9 +49,12 @@ class StaticKVCache:
         self.reserve(SLOT_STEP)
 
     def empty_like(self) -> StaticKVCache:
-        """A new cache of the same layers, heads, capacity, dtype and device, holding nothing (first allocation)."""
+        """A new cache of the same layers, heads, capacity, padding, dtype and device, holding nothing (first
+        allocation)."""
         k = self.keys[0]
-        return StaticKVCache(len(self.keys), k.shape[1], k.shape[3], self.capacity, k.dtype, k.device)
+        other = StaticKVCache(len(self.keys), k.shape[1], k.shape[3], self.capacity, k.dtype, k.device)
+        other.padding = self.padding
+        return other
 
     @property
     def allocated(self) -> int:
