@@ -155,11 +155,27 @@ def _slot_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, m
     allocated slot (SmolLM2 in q4_1, compiled, 4 tokens after a 300-token prefix, 1,024 slots: 23.2 -> 21.0 ms).
     """
     end = int(end)  # on the CPU: no device sync
+    if q.device.type != "cpu":
+        return _gpu_slot_attention(q, keys[:, :, :end], values[:, :, :end], mask[..., :end], scale)
     # One token sees every slot up to its own: no mask (SDPA is ~20 % faster without one).
     visible = None if q.shape[2] == 1 else mask[..., :end]
     out = F.scaled_dot_product_attention(q, keys[:, :, :end], values[:, :, :end], attn_mask=visible,
                                          scale=scale, enable_gqa=True)
     return out.contiguous()  # the layout the fake below promises (SDPA's own depends on its backend)
+
+
+def _gpu_slot_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
+                        scale: float) -> torch.Tensor:
+    """`_slot_attention` off a CPU: keys and values [1, H_kv, end, d] repeated to q's H heads and the mask [1, 1, n,
+    end] as an additive bias, which SDPA runs in its memory-efficient kernel; with ``enable_gqa`` and a boolean mask
+    it fell back to its float32 math path. On an H200 (a 1B-shaped Llama in bfloat16 after 2,000 tokens, blocks
+    padded to 64 rows) that path took 173 us a layer, and an eager one-token step 5.4-5.5 ms against 3.9-4.0 ms
+    this way; each row keeps the bits of its one-token step in bfloat16, int8 and int4, as before
+    (docs/checks/gpu-h200-stories260k)."""
+    groups = q.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
+    bias = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(~visible, float("-inf"))
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=scale).contiguous()
 
 
 def _slot_attention_shape(q, keys, values, mask, end, scale):
