@@ -107,6 +107,21 @@ def test_the_measured_budget_drafts_less_deep_as_the_batch_fills_the_machine():
     assert sum(wide(1) is None for _ in range(128)) == 2  # but one sequence-cycle in ~62 still drafts uncapped
 
 
+def test_a_lookup_whose_drafting_costs_a_cycle_not_a_level_drafts_deep_at_one_sequence():
+    """Drafting seconds are fitted as a fixed part and a part per level: a suffix or prompt lookup costs about the same
+    whatever its depth, a head one forward per level. Priced per level alone, a lookup's 8-deep draft looked eight
+    times dearer than it is, and the server capped one client at depth 4."""
+    curve = {1: 1.0, 2: 1.05, 4: 1.1, 8: 1.2, 16: 2.0, 32: 4.0, 64: 8.0, 128: 16.0}
+    accepts = [0, 1, 2, 3, 4, 8, 8, 8, 0, 1]  # drafts of 8 (one node a level), as deep as they are accepted
+    lookup, head = DraftBudget(curve), DraftBudget(curve)
+    for i in range(320):
+        depth = (2, 4, 8)[i % 3]
+        lookup.observe([1] * depth, min(accepts[i % 10], depth), 0.10)  # 0.1 of a step, whatever the depth
+        head.observe([1] * depth, min(accepts[i % 10], depth), 0.10 * depth)  # 0.1 of a step a level
+    assert abs(lookup.draft_cost(8) - 0.10) < 1e-9 and abs(head.draft_cost(8) - 0.80) < 1e-9
+    assert lookup.plan()[1] is None and head.plan()[1] < 8
+
+
 def test_uncapped_drafts_cost_a_pass_the_same_share_at_any_batch():
     """One sequence in about 61 passes explores the depths a cap hides, whatever the batch, and not always the same
     position of the batch: at 16 sequences one sequence-cycle in 61 had an 8-node draft beside 16 rows every ~4
