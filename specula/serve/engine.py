@@ -33,7 +33,7 @@ from specula.detokenize import IncrementalDecoder
 from specula.errors import SpeculaError
 from specula.runtime.packed import forward_packed
 from specula.sampling import SamplingParams
-from specula.serve.budget import DEFAULT_MAX_BATCH, DraftBudget, measured_curve
+from specula.serve.budget import DEFAULT_MAX_BATCH, MAX_DEPTH, DraftBudget, measured_curve
 from specula.serve.metrics import ServerMetrics
 from specula.serve.requests import (
     EngineStopped,
@@ -113,8 +113,6 @@ class BatchedEngine:
     # ---------------------------------------------------------------- the Engine interface
 
     def start(self) -> None:
-        if self.budget is None:
-            self.budget = DraftBudget(measured_curve(self.speculator.target, self.max_batch), max_batch=self.max_batch)
         self._thread = threading.Thread(target=self._work, name="specula-engine", daemon=True)
         self._thread.start()
 
@@ -163,7 +161,22 @@ class BatchedEngine:
 
     # ---------------------------------------------------------------- the worker
 
+    def _measured_budget(self) -> DraftBudget:
+        """The draft budget over a verify-cost curve measured now, on the worker's thread, the one that runs every
+        step. Measured on the event loop's thread before the worker started (as it was), the server then decoded
+        suffix at one client at 79-92 tokens/s where the same server with no measurement ran 125-136 (a fixed
+        table) and this one 109-131 (docs/benchmarks/serve-smollm2-draft-cost): forwards on a second thread left
+        the worker's two-thread steps 17-19 ms against 10-12 on one. A curve that cannot be measured leaves
+        drafting uncapped, logged."""
+        try:
+            return DraftBudget(measured_curve(self.speculator.target, self.max_batch), max_batch=self.max_batch)
+        except Exception:
+            log.exception("could not measure the verify-cost curve; drafting uncapped at every batch size")
+            return DraftBudget(table={1: MAX_DEPTH}, max_batch=self.max_batch)
+
     def _work(self) -> None:
+        if self.budget is None:
+            self.budget = self._measured_budget()
         while not (self._exit and not self._running):
             try:
                 self._admit()
