@@ -14,16 +14,14 @@ Llama-family targets pack; others run their blocks one after another (the same r
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
 
 from specula.errors import SpeculaError
-from specula.runtime.decode_threads import decode_threads
 from specula.runtime.forward import FeatureRequest, ForwardOutput, LlamaFamilyRuntime
 from specula.runtime.static_cache import Segment, block_attention_mask
-from specula.runtime.target import DECODE_ROWS, Target, prompt_threads
+from specula.runtime.target import Target, forward_threads
 
 
 @dataclass
@@ -86,11 +84,7 @@ def forward_packed(targets: list[Target], blocks: list[Block]) -> list[ForwardOu
     if native is not None and not native.takes_packed(spans):
         native = None
     tokens = torch.cat([block.tokens.to(device) for block in blocks])
-    # Threads as `Target.forward` takes them: a step of decode and verify rows on the threads `decode_threads` times,
-    # a larger one or one carrying a prompt on the prompt's (packed steps ran on one thread whatever the machine).
-    rows, prompts = int(tokens.shape[0]), any(b.last_logits_only for b in blocks)
-    steps = decode_threads(device) if rows <= DECODE_ROWS and not prompts else contextlib.nullcontext()
-    with prompt_threads(0 if rows <= DECODE_ROWS and not prompts else rows, device), steps:
+    with forward_threads(int(tokens.shape[0]), any(b.last_logits_only for b in blocks), device):
         out = base.run(tokens, torch.cat(positions), {}, False, wanted, segments=segments, logit_rows=logit_rows,
                        native=native)
     outputs, first = [], 0

@@ -166,8 +166,7 @@ class Target:
             positions = torch.arange(self.length, self.length + n, device=self.device)
         else:
             positions = self.length + torch.as_tensor(depths, device=self.device)
-        steps = decode_threads(self.device) if n <= DECODE_ROWS and not last_logits_only else contextlib.nullcontext()
-        with prompt_threads(n if last_logits_only else 0, self.device), steps:
+        with forward_threads(n, last_logits_only, self.device):
             return self.runtime.forward(tokens.to(self.device), positions, block_mask, features, last_logits_only)
 
     @torch.no_grad()  # not inference_mode: trainers feed these features to autograd
@@ -181,6 +180,16 @@ class Target:
         out = self.forward(tokens, features=features)
         self.commit()
         return out
+
+
+def forward_threads(rows: int, prompt: bool, device: torch.device) -> contextlib.AbstractContextManager:
+    """The threads a forward over ``rows`` rows runs on (``prompt``: it carries a prompt): a decode or verify step
+    (at most `DECODE_ROWS` rows, no prompt) on those `decode_threads` times; a prompt, or any larger block, on a
+    prompt's (`prompt_threads`). One rule for a sequence's forward and a packed one (`specula.runtime.packed`), whose
+    steps ran on one thread whatever the machine until session 39."""
+    if rows <= DECODE_ROWS and not prompt:
+        return decode_threads(device)
+    return prompt_threads(rows, device)
 
 
 @contextlib.contextmanager
