@@ -89,25 +89,32 @@ def random_llama(directory: Path, tokenizer_from: Path) -> Path:
     return directory
 
 
-def eager_step_times(path: Path, device: torch.device, padded: bool, timed: int = 100) -> dict:
-    """ms per eager 1-, 4- and 8-token step of ``path`` in bfloat16 after a 2,000-token prompt, with blocks padded
-    to the compiled step's one shape (the default off a CPU: `compiled_step.pads_eager_blocks`) or not."""
-    target = Target.load(path, dtype="float32", device=device, weights="bfloat16")
-    if not padded:
-        target.runtime.padded = None
-    target.prefill(torch.arange(2000, device=device) % 500 + 3)
+def step_times(target: Target, warm: int, timed: int) -> dict:
+    """ms per 1-, 4- and 8-token step of ``target`` after a 2,000-token prompt: ``warm`` steps, then ``timed``."""
+    device = target.device
+    target.reset()
+    target.prefill(torch.arange(3, 2003, device=device) % 500 + 3)
     found = {}
     for n in (1, 4, 8):
         block = torch.arange(5, 5 + n, device=device)
-        for repeat in range(5 + timed):
-            if repeat == 5:
-                torch.cuda.synchronize(device)
+        for repeat in range(warm + timed):
+            if repeat == warm:
+                torch.cuda.synchronize()
                 t0 = time.perf_counter()
             target.forward(block).logits.argmax()
             target.commit([])
-        torch.cuda.synchronize(device)
+        torch.cuda.synchronize()
         found[f"ms per {n}-token step"] = round((time.perf_counter() - t0) / timed * 1000, 3)
     return found
+
+
+def eager_step_times(path: Path, device: torch.device, padded: bool, timed: int = 100) -> dict:
+    """`step_times` of ``path`` in bfloat16, eager, with blocks padded to the compiled step's one shape (the default
+    off a CPU: `compiled_step.pads_eager_blocks`) or not."""
+    target = Target.load(path, dtype="float32", device=device, weights="bfloat16")
+    if not padded:
+        target.runtime.padded = None
+    return step_times(target, 5, timed)
 
 
 def cell_runner(results: dict, out: Path, started: float, budget: float, only: list[str] | None = None,

@@ -26,8 +26,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from cpu_threads import save_random_llama
-from gpu_check import cell_runner
+from gpu_check import cell_runner, random_llama, step_times
 
 import specula.runtime.compiled_step as compiled_step
 import specula.runtime.static_cache as static_cache
@@ -91,39 +90,11 @@ def plain_ops(device: torch.device) -> dict:
     return found
 
 
-def random_llama(directory: Path, tokenizer_from: Path) -> Path:
-    """A Llama of random weights with the shapes of a 1B model's layers (hidden 2,048, 16 query and 4 key-value
-    heads of 128, MLP 5,632; 4 layers, 4,096 positions), saved with ``tokenizer_from``'s tokenizer (its vocab of 512
-    is the model's): realistic kernel shapes, no download."""
-    return save_random_llama(directory, tokenizer_from, vocab_size=512, hidden_size=2048, intermediate_size=5632,
-                             num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4,
-                             max_position_embeddings=4096)
-
-
 def loaded_invariance(device: torch.device, path: Path, fmt: str, prompt_length: int) -> dict:
     """`mismatched_blocks` of ``path`` loaded in ``fmt`` and compiled, after a prompt of ``prompt_length`` tokens."""
     target = Target.load(path, dtype="float32", device=device, weights=fmt)
     target.compile()
     return {"mismatched": mismatched_blocks(target, CHAINS, TREE_PARENTS, prompt_length=prompt_length)}
-
-
-def step_times(target: Target, warm: int, timed: int) -> dict:
-    """ms per 1-, 4- and 8-token step of ``target`` after a 2,000-token prompt: ``warm`` steps, then ``timed``."""
-    device = target.device
-    target.reset()
-    target.prefill(torch.arange(3, 2003, device=device) % 500 + 3)
-    found = {}
-    for n in (1, 4, 8):
-        block = torch.arange(5, 5 + n, device=device)
-        for repeat in range(warm + timed):
-            if repeat == warm:
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-            target.forward(block).logits.argmax()
-            target.commit([])
-        torch.cuda.synchronize()
-        found[f"ms per {n}-token step"] = round((time.perf_counter() - t0) / timed * 1000, 3)
-    return found
 
 
 def third_run(args, cell, device: torch.device) -> None:
