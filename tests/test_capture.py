@@ -14,6 +14,7 @@ import pytest
 import torch
 from conftest import REPO, STORIES, STORY_PROMPTS
 
+from specula.errors import SpeculaError
 from specula.kernels.q4_1 import unavailable_reason
 from specula.runtime.model_source import default_target
 from specula.runtime.target import FeatureRequest, Target
@@ -195,13 +196,21 @@ def test_generated_data_trains_an_eagle3_head(seeds, tmp_path, mixed_precision):
 def test_smollm2_generated_data_trains_an_eagle3_head_from_the_cli(smollm2, tmp_path):
     out, data = tmp_path / "head", tmp_path / "data"
     weights = "q4_1" if unavailable_reason() is None else "float32"
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text('{"prompt": "Name a colour."}\n{"turns": ["Say hello.", "Now in French."]}\n')
     result = subprocess.run(
         [sys.executable, "-m", "specula", "train", "eagle3", "--generated", str(data), "--gen-tokens", "60",
          "--gen-max-jobs", "6", "--gen-batch-size", "6", "--gen-answer-tokens", "16", "--gen-weights", weights,
          "--out", str(out), "--eval-samples", "1", "--epochs", "1", "--batch-size", "2", "--warmup-steps", "1",
-         "--draft-vocab-size", "256", "--device", "cpu"], cwd=REPO, capture_output=True, text=True)
+         "--draft-vocab-size", "256", "--device", "cpu", "--head-layers", "2", "--eval-prompts", str(chat)],
+        cwd=REPO, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
     assert (out / "model.safetensors").is_file()
+    assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 2
+    evaluation = [record["eval"] for record in json.loads((out / "training_history.json").read_text())
+                  if "eval" in record][-1]
+    # the held-out chat answers were written and drafted against: rates of the three chain depths
+    assert {"0-alpha", "chat-0-alpha", "chat-1-alpha", "chat-2-alpha"} <= set(evaluation)
     # No --ttt-steps: on a CPU the head trains the one draft step its default budget takes.
     assert "training-time test: 1 step(s), the draft depth of cpu's default budget" in result.stderr
     history = json.loads((out / "training_history.json").read_text())
@@ -212,3 +221,15 @@ def test_smollm2_generated_data_trains_an_eagle3_head_from_the_cli(smollm2, tmp_
     # --gen-answer-tokens caps every kind of job, the longer kinds in proportion (1.6x, 1.2x)
     mix = components["mix"]
     assert (mix["answer_tokens"], mix["long_tokens"], mix["document_tokens"]) == (16, 26, 19)
+
+
+@pytest.mark.parametrize("line", ['{"turns": []}', '{"prompt": 3}', '["a"]', "{no json"])
+def test_an_evaluation_prompt_file_with_a_bad_line_is_refused_with_its_line_number(tmp_path, line):
+    from specula.training.conversations import read_chat_prompts
+
+    path = tmp_path / "chat.jsonl"
+    path.write_text('{"prompt": "fine"}\n' + line + "\n")
+    with pytest.raises(SpeculaError, match="line 2"):
+        read_chat_prompts(path)
+    path.write_text('{"prompt": "one"}\n\n{"turns": ["two", "three"]}\n')
+    assert read_chat_prompts(path) == [["one"], ["two", "three"]]

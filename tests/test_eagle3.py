@@ -30,10 +30,11 @@ def test_ttt_attention_equals_dense_masked_reference(steps):
                                dense_ttt_attention(q, keys, values, causal, 0.4))
 
 
-def test_ttt_steps_match_drafting_the_same_chain(stories_target):
+@pytest.mark.parametrize("layers", [1, 2])
+def test_ttt_steps_match_drafting_the_same_chain(stories_target, layers):
     """Step i of training-time test at slot j equals the head drafting i tokens past j with a cache."""
     torch.manual_seed(0)
-    head = Eagle3Head.for_target(stories_target.config, feature_layers=list(STORY_LAYERS)).eval()
+    head = Eagle3Head.for_target(stories_target.config, feature_layers=list(STORY_LAYERS), num_layers=layers).eval()
     length, steps = 6, 3
     features = torch.randn(1, length, 3 * 64)
     tokens = torch.randint(0, 512, (length + steps + 1,))
@@ -160,6 +161,29 @@ def test_checkpoint_round_trip_in_the_official_layout(stories_target, tmp_path):
     loaded = Eagle3Head.from_pretrained(tmp_path)
     for name, tensor in head.state_dict().items():
         torch.testing.assert_close(loaded.state_dict()[name], tensor)
+
+
+def test_a_two_layer_head_round_trips_decodes_like_transformers_and_is_not_exported(stories_target, tmp_path):
+    """A second decoder layer (`layers.1.*`) is saved, loaded and drafted with; greedy output stays the target's."""
+    from specula.gguf.heads import TargetInfo, check_expressible
+
+    torch.manual_seed(0)
+    head = Eagle3Head.for_target(stories_target.config, draft_vocab=torch.arange(0, 512, 2),
+                                 feature_layers=list(STORY_LAYERS), num_layers=2)
+    head.save_pretrained(tmp_path / "head")
+    loaded = Eagle3Head.from_pretrained(tmp_path / "head")
+    assert len(loaded.layers) == 1 and "layers.1.self_attn.q_proj.weight" in loaded.state_dict()
+    for name, tensor in head.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[name], tensor)
+    speculator = specula.load(STORIES, method="eagle3", draft=tmp_path / "head", dtype="float32",
+                              total_tokens=6, depth=3, top_k=2)
+    ids = speculator.encode(STORY_PROMPTS[16])
+    result = speculator.generate(ids, max_new_tokens=24, stop_on_eos=False)
+    expected = transformers_model(speculator.target.model).generate(ids[None], max_new_tokens=24, do_sample=False,
+                                                                    min_new_tokens=24)[0, len(ids):]
+    assert result.token_ids == expected.tolist()
+    with pytest.raises(SpeculaError, match="2 decoder layers"):
+        check_expressible(head, TargetInfo(stories_target.config.num_hidden_layers, 64, 512))
 
 
 def test_checkpoint_whose_tensors_disagree_with_config_is_refused(stories_target, tmp_path):

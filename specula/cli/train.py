@@ -11,6 +11,7 @@ import json
 import math
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from transformers import AutoConfig
@@ -27,6 +28,8 @@ from specula.heads.medusa_head import MedusaHeads
 from specula.methods import DEFAULT_TARGET
 from specula.runtime.loading import check_model_dir
 from specula.runtime.target import FeatureRequest, Target
+from specula.training.capture import answer_prompts
+from specula.training.conversations import read_chat_prompts
 from specula.training.eagle3_trainer import (
     DEFAULT_STEPS,
     DRAFT_VOCAB_SIZE,
@@ -176,6 +179,13 @@ def add_train_eagle3_parser(trainers: argparse._SubParsersAction) -> None:
     p.add_argument("--ttt-steps", type=positive_int, metavar="K",
                    help="simulated draft steps per sample (default: the draft depth of the device's default "
                         f"budget, at most {DEFAULT_STEPS}: 1 on a CPU)")
+    p.add_argument("--head-layers", type=positive_int, metavar="N",
+                   help="decoder layers of a fresh head (default: 1, the paper's; each more costs a layer's step "
+                        "per draft level, and vLLM, SGLang and llama.cpp load only one-layer heads)")
+    p.add_argument("--eval-prompts", type=Path, metavar="FILE",
+                   help="chat prompts held out from training ({'prompt'} or MT-bench-style {'turns': [...]} lines, "
+                        "e.g. data/smollm2_heldout_prompts.jsonl): the target answers them greedily, 128 tokens a "
+                        "turn, before training, and each epoch reports n-alpha on those answers as chat-n-alpha")
     p.add_argument("--init", type=Path, metavar="HEAD_DIR",
                    help="fine-tune this EAGLE-3 head (keeping its draft vocabulary and fused layers) instead of "
                         "training a fresh one, e.g. on sampled answers for a head trained on greedy ones")
@@ -194,7 +204,8 @@ def _layer_list(text: str) -> tuple[int, ...]:
 
 def run_train_eagle3(args: argparse.Namespace) -> int:
     config = target_config_of(args.target)
-    options = Eagle3TrainOptions(args.draft_vocab_size, args.feature_layers, args.ttt_steps, init=args.init)
+    options = Eagle3TrainOptions(args.draft_vocab_size, args.feature_layers, args.ttt_steps, init=args.init,
+                                 layers=args.head_layers)
     layers = args.feature_layers
     if args.init is not None:
         # Checked before the target loads and data is regenerated; the head decides which features to cache.
@@ -202,7 +213,10 @@ def run_train_eagle3(args: argparse.Namespace) -> int:
         check_start_head(start, config.hidden_size, config.vocab_size, options)
         layers = tuple(start.feature_layers)
     request = feature_request(config, layers)
+    chat = read_chat_prompts(args.eval_prompts) if args.eval_prompts is not None else None
     target, train_set, eval_set, train_config = training_inputs(args, request)
+    if chat is not None:
+        options = replace(options, chat_samples=answer_prompts(target, chat, request))
     train_eagle3(target, train_set, eval_set, args.out, train_config, options, resume=args.resume,
                  log=lambda message: print(message, file=sys.stderr))
     print(f"EAGLE-3 head written to {args.out}", file=sys.stderr)

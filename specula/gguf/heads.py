@@ -137,6 +137,8 @@ def _read_gguf_target(gguf_file: Path) -> TargetInfo:
 def check_expressible(head: Eagle3Head, target: TargetInfo) -> None:
     """Refuse, with the reason, a head that llama.cpp's eagle3 cannot run as Specula runs it for this target."""
     layers, n = head.feature_layers, target.num_layers
+    if len(head.layers):
+        raise SpeculaError(f"the head has {1 + len(head.layers)} decoder layers; llama.cpp's eagle3 runs exactly one")
     if len(layers) != 3:
         raise SpeculaError(f"the head fuses {len(layers)} target layers ({layers}); llama.cpp's eagle3 fuses exactly 3")
     if n in layers:

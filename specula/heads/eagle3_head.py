@@ -5,8 +5,9 @@ where l, m, h are the inputs of three decoder layers of the target (by default
 2, N//2 and N-3 of an N-layer target), and the embedding of the next token
 t_{i+1}. One decoder layer ("midlayer") attends over cat(input_layernorm(e),
 hidden_norm(g)) (2H wide) with g itself as the residual, then its MLP; its
-output a_i goes through `norm` and the head's own `lm_head` over a draft
-vocabulary of `draft_vocab_size` frequent target tokens. When drafting deeper,
+output a_i (after ``num_hidden_layers`` - 1 further ordinary decoder layers, ``layers.{i}``, when the config
+asks for more than one; one is the paper's and the default) goes through `norm` and the head's own `lm_head`
+over a draft vocabulary of `draft_vocab_size` frequent target tokens. When drafting deeper,
 a_i stands in for the fused feature of the token it predicted (paper, Fig. 5).
 
 Draft ids map to target ids through the buffer ``d2t`` (int64 [Vd], target id =
@@ -93,6 +94,9 @@ class Eagle3Head(nn.Module):
             old = getattr(attn, name)
             setattr(attn, name, nn.Linear(2 * hidden, old.out_features, bias=old.bias is not None))
         self.midlayer.hidden_norm = LlamaRMSNorm(hidden, eps=llama.rms_norm_eps)
+        # Further layers read the first one's output as ordinary decoder layers do (H wide); named by their index
+        # in the head (`layers.1.*`, ...), the first being `midlayer`.
+        self.layers = nn.ModuleDict({str(i): LlamaDecoderLayer(llama, i) for i in range(1, llama.num_hidden_layers)})
         self.norm = LlamaRMSNorm(hidden, eps=llama.rms_norm_eps)
         self.lm_head = nn.Linear(hidden, self.draft_vocab_size, bias=False)
         if self.draft_vocab_size != self.vocab_size:
@@ -106,15 +110,15 @@ class Eagle3Head(nn.Module):
 
     @classmethod
     def for_target(cls, target_config, draft_vocab: torch.Tensor | None = None,
-                   feature_layers: list[int] | None = None) -> Eagle3Head:
-        """A fresh head shaped like one decoder layer of ``target_config``.
+                   feature_layers: list[int] | None = None, num_layers: int = 1) -> Eagle3Head:
+        """A fresh head of ``num_layers`` decoder layers shaped like ``target_config``'s.
 
         draft_vocab: int64 [Vd] target ids of the draft vocabulary (None: the full vocabulary).
         """
         values = {k: getattr(target_config, k, None) for k in CONFIG_KEYS}
         rope = getattr(target_config, "rope_parameters", None) or {}
         values["rope_theta"] = values.get("rope_theta") or rope.get("rope_theta", 10000.0)
-        values["num_hidden_layers"] = 1
+        values["num_hidden_layers"] = num_layers
         layers = target_config.num_hidden_layers
         values["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(feature_layers or
                                                                           default_feature_layers(layers)),
@@ -175,22 +179,27 @@ class Eagle3Head(nn.Module):
         head_dim = attn.head_dim
         slots = torch.arange(length, device=hidden.device)
         causal = slots[None, :] <= slots[:, None]
-        keys: list[torch.Tensor] = []
-        values: list[torch.Tensor] = []
+        # Per layer, every step's keys and values so far (a later step attends to the earlier steps' at its slot).
+        keys: list[list[torch.Tensor]] = [[] for _ in range(1 + len(self.layers))]
+        values: list[list[torch.Tensor]] = [[] for _ in range(1 + len(self.layers))]
         outputs = []
         for step, embeds in enumerate(step_embeds):
             x = self._attention_input(hidden, embeds)
-            q = attn.q_proj(x).view(batch, length, -1, head_dim).transpose(1, 2)
-            k = attn.k_proj(x).view(batch, length, -1, head_dim).transpose(1, 2)
-            v = attn.v_proj(x).view(batch, length, -1, head_dim).transpose(1, 2)
             cos, sin = self.rotary_emb(x, (slots + step)[None].expand(batch, -1))
-            q, k = self.apply_rope(q, k, cos, sin)
-            repeat = q.shape[1] // k.shape[1]
-            keys.append(k.repeat_interleave(repeat, dim=1))
-            values.append(v.repeat_interleave(repeat, dim=1))
-            out = ttt_attention(q, keys, values, causal, attn.scaling)
-            hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
-            hidden = hidden + self.midlayer.mlp(self.midlayer.post_attention_layernorm(hidden))
+            for index, layer in enumerate([self.midlayer, *self.layers.values()]):
+                if index:
+                    x = layer.input_layernorm(hidden)
+                attn = layer.self_attn
+                q = attn.q_proj(x).view(batch, length, -1, head_dim).transpose(1, 2)
+                k = attn.k_proj(x).view(batch, length, -1, head_dim).transpose(1, 2)
+                v = attn.v_proj(x).view(batch, length, -1, head_dim).transpose(1, 2)
+                q, k = self.apply_rope(q, k, cos, sin)
+                repeat = q.shape[1] // k.shape[1]
+                keys[index].append(k.repeat_interleave(repeat, dim=1))
+                values[index].append(v.repeat_interleave(repeat, dim=1))
+                out = ttt_attention(q, keys[index], values[index], causal, attn.scaling)
+                hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
+                hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
             outputs.append(hidden)
         return outputs
 
@@ -207,7 +216,7 @@ class Eagle3Head(nn.Module):
         attn = self.midlayer.self_attn
         param = self.norm.weight  # the linears may be in a quantized format (specula.runtime.weights)
         kv_heads = attn.k_proj.out_features // attn.head_dim
-        return StaticKVCache(1, kv_heads, attn.head_dim, capacity, param.dtype, param.device)
+        return StaticKVCache(1 + len(self.layers), kv_heads, attn.head_dim, capacity, param.dtype, param.device)
 
     def feature_request(self) -> FeatureRequest:
         return fused_feature_request(self.feature_layers, self.num_target_layers)
@@ -275,8 +284,12 @@ class Eagle3Head(nn.Module):
         if mask is None:  # a causal chain: after a cached prefix, SDPA's own causal flag would misalign it
             mask = block_attention_mask(cache.length, positions, None)
         causal = mask is None and cache.length == 0
-        return decoder_layer_step(self.midlayer, hidden, cos, sin, cache, 0, mask, causal, self.apply_rope,
-                                  attention_input=x, slots=slots)[0]
+        hidden = decoder_layer_step(self.midlayer, hidden, cos, sin, cache, 0, mask, causal, self.apply_rope,
+                                    attention_input=x, slots=slots)
+        for index, layer in enumerate(self.layers.values(), start=1):
+            hidden = decoder_layer_step(layer, hidden, cos, sin, cache, index, mask, causal, self.apply_rope,
+                                        slots=slots)
+        return hidden[0]
 
     # ---------------------------------------------------------------- checkpoints (official layout)
 

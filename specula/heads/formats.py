@@ -114,6 +114,9 @@ def speculators_config(head: Eagle3Head, target_dir: Path, speculative_tokens: i
 def save_speculators(head: Eagle3Head, out: str | Path, target_dir: str | Path,
                      speculative_tokens: int = 3) -> None:
     """Write ``head`` in the speculators layout; the target supplies the embedding and the verifier fields."""
+    if len(head.layers):
+        raise SpeculaError(f"the head has {1 + len(head.layers)} decoder layers; the speculators layout written here "
+                           "holds one")
     target_dir = check_model_dir(Path(target_dir), "target")
     embedding = target_embedding(target_dir)
     if tuple(embedding.shape) != (head.vocab_size, head.hidden_size):

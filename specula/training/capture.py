@@ -264,3 +264,26 @@ class CaptureEngine:
         slot.rows = {}
         slot.conversation += 1
         self._start_conversation(slot, done)
+
+
+def sample_dict(sample: CapturedSample) -> dict[str, torch.Tensor]:
+    """A captured sample as a trainer reads one (`specula.training.generated.GeneratedData`'s keys)."""
+    ids, probs = sample.dist_ids.long(), sample.dist_probs.float()
+    item = {"input_ids": sample.input_ids.long(), "loss_mask": sample.loss_mask, "dist_ids": ids,
+            "dist_probs": probs, "target_top": torch.where(probs[:, 0] > 0, ids[:, 0], 0)}
+    item.update({k: v for k, v in (("layer_inputs", sample.layer_inputs), ("hidden", sample.hidden)) if v is not None})
+    return item
+
+
+def answer_prompts(target: Target, conversations: list[list[str]], request: FeatureRequest,
+                   max_new_tokens: int = 128, batch_size: int = 32) -> list[dict[str, torch.Tensor]]:
+    """The target's greedy answers to each conversation's user turns in turn (its own earlier answers in context,
+    as `specula bench` asks MT-bench's two turns), features captured in float32 as it writes: evaluation samples
+    (`sample_dict`), in the order given."""
+    jobs = [Job(index, "evaluation", 0, 0.0, (Conversation(tuple(
+        turn for text in turns for turn in (Turn("user", (text,)), Turn("assistant", (), 0.0, max_new_tokens)))),))
+        for index, turns in enumerate(conversations)]
+    found: dict[int, list[CapturedSample]] = {}
+    engine = CaptureEngine(target, request, feature_dtype=torch.float32, batch_size=min(batch_size, len(jobs) or 1))
+    engine.run(iter(jobs), lambda job, samples: found.__setitem__(job.index, samples))
+    return [sample_dict(sample) for index in range(len(jobs)) for sample in found[index]]

@@ -169,6 +169,8 @@ class Eagle3TrainOptions:
     eval_samples: int = 16
     tau_prompts: int = 4
     init: Path | None = None  # start from this head (its draft vocabulary and fused layers) instead of a fresh one
+    layers: int | None = None  # decoder layers of a fresh head; None: one, or the init head's own
+    chat_samples: list | None = None  # held-out chat answers (`capture.answer_prompts`): chat-n-alpha per epoch
 
 
 def feature_request(target_config, feature_layers: tuple[int, ...] | None) -> FeatureRequest:
@@ -186,6 +188,8 @@ def check_start_head(head: Eagle3Head, hidden_size: int, vocab_size: int, option
     if options.feature_layers is not None and list(options.feature_layers) != head.feature_layers:
         raise SpeculaError(f"--feature-layers {','.join(map(str, options.feature_layers))} differs from the --init "
                            f"head's {','.join(map(str, head.feature_layers))}")
+    if options.layers is not None and options.layers != 1 + len(head.layers):
+        raise SpeculaError(f"--head-layers {options.layers} differs from the --init head's {1 + len(head.layers)}")
     if options.draft_vocab_size is not None and options.draft_vocab_size != head.draft_vocab_size:
         raise SpeculaError(f"--draft-vocab-size {options.draft_vocab_size} differs from the --init head's "
                            f"{head.draft_vocab_size}")
@@ -211,7 +215,8 @@ def train_eagle3(target: Target, train_set, eval_set, out: Path, config: TrainCo
         draft_vocab_size = min(options.draft_vocab_size or DRAFT_VOCAB_SIZE, vocab_size)
         draft_vocab, coverage = choose_draft_vocab(train_set, vocab_size, draft_vocab_size)
         head = Eagle3Head.for_target(target.config, None if draft_vocab_size == vocab_size else draft_vocab,
-                                     list(options.feature_layers) if options.feature_layers else None)
+                                     list(options.feature_layers) if options.feature_layers else None,
+                                     options.layers or 1)
         head = head.float().to(target.device)
     log(f"draft vocabulary: {draft_vocab_size} of {vocab_size} tokens, covering {coverage:.2%} of response tokens")
     steps = options.steps or default_steps(target.device)
@@ -220,10 +225,15 @@ def train_eagle3(target: Target, train_set, eval_set, out: Path, config: TrainCo
             "(--ttt-steps to change)")
 
     def evaluate(model: Eagle3Head, epoch: int) -> dict:
+        report = {}
         subset = [eval_set[i] for i in range(min(len(eval_set), options.eval_samples))]
-        rates = chain_acceptance(model, target, subset)
-        report = {f"{n}-alpha": round(rate, 4) for n, rate in enumerate(rates)}
-        report["eagle2_tau"] = round(eagle2_tau(model, target, subset[: options.tau_prompts]), 3)
+        if subset:
+            rates = chain_acceptance(model, target, subset)
+            report = {f"{n}-alpha": round(rate, 4) for n, rate in enumerate(rates)}
+            report["eagle2_tau"] = round(eagle2_tau(model, target, subset[: options.tau_prompts]), 3)
+        if options.chat_samples:
+            chat = chain_acceptance(model, target, options.chat_samples)
+            report.update({f"chat-{n}-alpha": round(rate, 4) for n, rate in enumerate(chat)})
         report["draft_vocab_coverage"] = round(coverage, 4)
         return report
 
@@ -233,4 +243,5 @@ def train_eagle3(target: Target, train_set, eval_set, out: Path, config: TrainCo
     keys += ("layer_inputs",) if head.feature_request().layer_inputs else ()
     return run_training(head, train_set, eagle3_loss(target, steps), config, out,
                         save_head=lambda model, directory: model.save_pretrained(directory), keys=keys,
-                        resume=resume, evaluate=evaluate if len(eval_set) else None, log=log, kind="train eagle3")
+                        resume=resume, evaluate=evaluate if len(eval_set) or options.chat_samples else None,
+                        log=log, kind="train eagle3")
