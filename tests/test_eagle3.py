@@ -186,6 +186,17 @@ def test_a_two_layer_head_round_trips_decodes_like_transformers_and_is_not_expor
         check_expressible(head, TargetInfo(stories_target.config.num_hidden_layers, 64, 512))
 
 
+def test_a_head_started_from_the_target_output_predicts_through_the_target_lm_head(stories_target):
+    model = stories_target.model
+    vocab = torch.tensor([3, 9, 10, 200, 511])
+    head = Eagle3Head.for_target(stories_target.config, draft_vocab=vocab, feature_layers=list(STORY_LAYERS))
+    head.start_from_target_output(model.get_output_embeddings(), model.model.norm)
+    hidden = torch.randn(4, stories_target.config.hidden_size)
+    with torch.no_grad():
+        expected = model.get_output_embeddings()(model.model.norm(hidden))[:, vocab]
+        torch.testing.assert_close(head.draft_logits(hidden), expected, atol=1e-5, rtol=1e-5)
+
+
 def test_checkpoint_whose_tensors_disagree_with_config_is_refused(stories_target, tmp_path):
     Eagle3Head.for_target(stories_target.config, draft_vocab=torch.arange(128)).save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())

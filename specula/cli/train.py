@@ -182,6 +182,9 @@ def add_train_eagle3_parser(trainers: argparse._SubParsersAction) -> None:
     p.add_argument("--head-layers", type=positive_int, metavar="N",
                    help="decoder layers of a fresh head (default: 1, the paper's; each more costs a layer's step "
                         "per draft level, and vLLM, SGLang and llama.cpp load only one-layer heads)")
+    p.add_argument("--output-from-target", action="store_true",
+                   help="start a fresh head's LM head and final norm as the target's (its LM head's rows of the "
+                        "draft vocabulary) instead of at random")
     p.add_argument("--eval-prompts", type=Path, metavar="FILE",
                    help="chat prompts held out from training ({'prompt'} or MT-bench-style {'turns': [...]} lines, "
                         "e.g. data/smollm2_heldout_prompts.jsonl): the target answers them greedily, 128 tokens a "
@@ -205,7 +208,7 @@ def _layer_list(text: str) -> tuple[int, ...]:
 def run_train_eagle3(args: argparse.Namespace) -> int:
     config = target_config_of(args.target)
     options = Eagle3TrainOptions(args.draft_vocab_size, args.feature_layers, args.ttt_steps, init=args.init,
-                                 layers=args.head_layers)
+                                 layers=args.head_layers, output_from_target=args.output_from_target)
     layers = args.feature_layers
     if args.init is not None:
         # Checked before the target loads and data is regenerated; the head decides which features to cache.

@@ -140,6 +140,16 @@ class Eagle3Head(nn.Module):
         self.t2d.zero_()
         self.t2d[ids.to(self.t2d.device)] = True
 
+    @torch.no_grad()
+    def start_from_target_output(self, lm_head: nn.Module, final_norm: nn.Module) -> None:
+        """Set ``lm_head`` to the target LM head's rows of the draft vocabulary and ``norm`` to its final norm, so
+        that a fresh head starts out predicting through the target's own output layer. The rows are read through
+        the module (its products with the identity), so any weights format gives the values it computes with."""
+        eye = torch.eye(self.hidden_size, device=self.lm_head.weight.device)
+        rows = lm_head(eye.to(final_norm.weight.dtype)).float().T  # [V, H]
+        self.lm_head.weight.copy_(rows[self.target_vocab_ids()])
+        self.norm.weight.copy_(final_norm.weight)
+
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Target ids of draft-vocabulary ids (any shape)."""
         return draft_ids if self.d2t is None else draft_ids + self.d2t[draft_ids]

@@ -170,6 +170,7 @@ class Eagle3TrainOptions:
     tau_prompts: int = 4
     init: Path | None = None  # start from this head (its draft vocabulary and fused layers) instead of a fresh one
     layers: int | None = None  # decoder layers of a fresh head; None: one, or the init head's own
+    output_from_target: bool = False  # a fresh head's lm_head and norm start as the target's
     chat_samples: list | None = None  # held-out chat answers (`capture.answer_prompts`): chat-n-alpha per epoch
 
 
@@ -188,6 +189,8 @@ def check_start_head(head: Eagle3Head, hidden_size: int, vocab_size: int, option
     if options.feature_layers is not None and list(options.feature_layers) != head.feature_layers:
         raise SpeculaError(f"--feature-layers {','.join(map(str, options.feature_layers))} differs from the --init "
                            f"head's {','.join(map(str, head.feature_layers))}")
+    if options.output_from_target:
+        raise SpeculaError("--output-from-target starts a fresh head; --init starts from a trained one")
     if options.layers is not None and options.layers != 1 + len(head.layers):
         raise SpeculaError(f"--head-layers {options.layers} differs from the --init head's {1 + len(head.layers)}")
     if options.draft_vocab_size is not None and options.draft_vocab_size != head.draft_vocab_size:
@@ -218,6 +221,11 @@ def train_eagle3(target: Target, train_set, eval_set, out: Path, config: TrainCo
                                      list(options.feature_layers) if options.feature_layers else None,
                                      options.layers or 1)
         head = head.float().to(target.device)
+        if options.output_from_target:
+            final_norm = getattr(getattr(target.model, "model", None), "norm", None)
+            if final_norm is None:
+                raise SpeculaError("--output-from-target needs a Llama-style target (model.norm, its final norm)")
+            head.start_from_target_output(target.model.get_output_embeddings(), final_norm)
     log(f"draft vocabulary: {draft_vocab_size} of {vocab_size} tokens, covering {coverage:.2%} of response tokens")
     steps = options.steps or default_steps(target.device)
     if options.steps is None:
