@@ -22,12 +22,12 @@ given; nothing comes from MT-bench, Spec-Bench or HumanEval (tests check the tex
 from __future__ import annotations
 
 import hashlib
-import json
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from specula.errors import SpeculaError
+from specula.files.jsonl import json_lines
 
 Ref = tuple[int, int]  # (conversation, turn) of an earlier conversation of the same job, quoted by its text
 
@@ -169,13 +169,7 @@ def read_seed_prompts(path: str | Path | None, kind: str) -> list[str]:
     if not file.is_file():
         raise SpeculaError(f"{kind} seed file not found: {path}")
     prompts = []
-    for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise SpeculaError(f"{path}, line {number}: not JSON ({err.msg})") from err
+    for _, where, obj in json_lines(file.read_text(encoding="utf-8").splitlines(), lambda n: f"{path}, line {n}"):
         if isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
             prompts.append(obj["prompt"].strip())
         elif isinstance(obj, dict) and isinstance(obj.get("instruction"), str):
@@ -183,7 +177,7 @@ def read_seed_prompts(path: str | Path | None, kind: str) -> list[str]:
             extra = (instances[0].get("input") or "").strip() if isinstance(instances[0], dict) else ""
             prompts.append(obj["instruction"].strip() + (f"\n\n{extra}" if extra else ""))
         else:
-            raise SpeculaError(f"{path}, line {number}: expected {{'prompt': ...}} or an Alpaca seed task")
+            raise SpeculaError(f"{where}: expected {{'prompt': ...}} or an Alpaca seed task")
     if not prompts:
         raise SpeculaError(f"{kind} seed file {path} holds no prompts")
     return prompts
@@ -196,17 +190,11 @@ def read_chat_prompts(path: str | Path) -> list[list[str]]:
     if not file.is_file():
         raise SpeculaError(f"prompt file not found: {path}")
     conversations = []
-    for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise SpeculaError(f"{path}, line {number}: not JSON ({err.msg})") from err
+    for _, where, obj in json_lines(file.read_text(encoding="utf-8").splitlines(), lambda n: f"{path}, line {n}"):
         turns = [obj["prompt"]] if isinstance(obj, dict) and "prompt" in obj else \
             obj.get("turns") if isinstance(obj, dict) else None
         if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
-            raise SpeculaError(f"{path}, line {number}: expected {{'prompt': text}} or {{'turns': [text, ...]}}")
+            raise SpeculaError(f"{where}: expected {{'prompt': text}} or {{'turns': [text, ...]}}")
         conversations.append([t.strip() for t in turns])
     if not conversations:
         raise SpeculaError(f"prompt file {path} holds no prompts")
