@@ -13,6 +13,9 @@ eng = BatchedEngine(sp, budget=budget)
 
 async def main():
     eng.start()
+    w = eng.submit(GenerationRequest(tuple(sp.encode("Hi").tolist()), 4, temperature=0.0))
+    while isinstance(await w.get(120), TextDelta):
+        pass
     t0 = time.perf_counter(); toks = 0
     for q in qs:
         ids = sp.encode(messages=[{"role": "user", "content": q}])
