@@ -181,7 +181,7 @@ def add_train_eagle3_parser(trainers: argparse._SubParsersAction) -> None:
                         f"budget, at most {DEFAULT_STEPS}: 1 on a CPU)")
     p.add_argument("--head-layers", type=positive_int, metavar="N",
                    help="decoder layers of a fresh head (default: 1, the paper's; each more costs a layer's step "
-                        "per draft level, and vLLM, SGLang and llama.cpp load only one-layer heads)")
+                        "per draft level; vLLM, SGLang and llama.cpp run one-layer heads only)")
     p.add_argument("--output-from-target", action="store_true",
                    help="start a fresh head's LM head and final norm as the target's (its LM head's rows of the "
                         "draft vocabulary) instead of at random")
