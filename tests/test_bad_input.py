@@ -81,6 +81,17 @@ def test_train_eagle3_on_a_config_without_model_type_is_refused_as_generate_refu
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("line", ['{"turns": []}', '{"prompt": 3}', '["a"]', "{no json"])
+def test_train_eagle3_refuses_an_evaluation_prompt_file_with_a_bad_line_by_its_line_number(tmp_path, capsys, line):
+    prompts = tmp_path / "chat.jsonl"
+    prompts.write_text('{"prompt": "fine"}\n' + line + "\n")
+    message = one_error(capsys, main(["train", "eagle3", "--target", str(STORIES), "--data",
+                                      str(records_file(tmp_path / "data.jsonl")), "--out", str(tmp_path / "out"),
+                                      "--eval-prompts", str(prompts)]))
+    assert f"{prompts}:2" in message, message
+    assert not (tmp_path / "out").exists()
+
+
 def test_bench_refuses_to_resume_from_a_foreign_record(tmp_path, questions, capsys):
     out = tmp_path / "out"
     out.mkdir()

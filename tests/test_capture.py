@@ -14,7 +14,6 @@ import pytest
 import torch
 from conftest import REPO, STORIES, STORY_PROMPTS
 
-from specula.errors import SpeculaError
 from specula.kernels.q4_1 import unavailable_reason
 from specula.runtime.model_source import default_target
 from specula.runtime.target import FeatureRequest, Target
@@ -221,15 +220,3 @@ def test_smollm2_generated_data_trains_an_eagle3_head_from_the_cli(smollm2, tmp_
     # --gen-answer-tokens caps every kind of job, the longer kinds in proportion (1.6x, 1.2x)
     mix = components["mix"]
     assert (mix["answer_tokens"], mix["long_tokens"], mix["document_tokens"]) == (16, 26, 19)
-
-
-@pytest.mark.parametrize("line", ['{"turns": []}', '{"prompt": 3}', '["a"]', "{no json"])
-def test_an_evaluation_prompt_file_with_a_bad_line_is_refused_with_its_line_number(tmp_path, line):
-    from specula.training.conversations import read_chat_prompts
-
-    path = tmp_path / "chat.jsonl"
-    path.write_text('{"prompt": "fine"}\n' + line + "\n")
-    with pytest.raises(SpeculaError, match="line 2"):
-        read_chat_prompts(path)
-    path.write_text('{"prompt": "one"}\n\n{"turns": ["two", "three"]}\n')
-    assert read_chat_prompts(path) == [["one"], ["two", "three"]]

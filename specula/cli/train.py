@@ -16,6 +16,7 @@ from pathlib import Path
 
 from transformers import AutoConfig
 
+from specula.bench.questions import read_questions
 from specula.cli.common import DTYPE_CHOICES, device_name, number_list, positive_int
 from specula.cli.train_data import add_generation_arguments, add_train_data_parser, generated_inputs
 from specula.drafters.medusa import CHOICES_FILE, check_heads_fit, read_choices_file
@@ -29,7 +30,6 @@ from specula.methods import DEFAULT_TARGET
 from specula.runtime.loading import check_model_dir
 from specula.runtime.target import FeatureRequest, Target
 from specula.training.capture import answer_prompts
-from specula.training.conversations import read_chat_prompts
 from specula.training.eagle3_trainer import (
     DEFAULT_STEPS,
     DRAFT_VOCAB_SIZE,
@@ -216,7 +216,8 @@ def run_train_eagle3(args: argparse.Namespace) -> int:
         check_start_head(start, config.hidden_size, config.vocab_size, options)
         layers = tuple(start.feature_layers)
     request = feature_request(config, layers)
-    chat = read_chat_prompts(args.eval_prompts) if args.eval_prompts is not None else None
+    # The bench's question reader: turns / prompt / text lines, as `specula bench` reads MT-bench.
+    chat = [list(q.turns) for q in read_questions(args.eval_prompts)] if args.eval_prompts is not None else None
     target, train_set, eval_set, train_config = training_inputs(args, request)
     if chat is not None:
         options = replace(options, chat_samples=answer_prompts(target, chat, request))

@@ -183,24 +183,6 @@ def read_seed_prompts(path: str | Path | None, kind: str) -> list[str]:
     return prompts
 
 
-def read_chat_prompts(path: str | Path) -> list[list[str]]:
-    """User turns of each conversation in a JSONL file: ``{"prompt": ...}`` (one turn) or ``{"turns": [...]}``
-    (MT-bench's layout: each asked after the answer to the one before)."""
-    file = Path(path)
-    if not file.is_file():
-        raise SpeculaError(f"prompt file not found: {path}")
-    conversations = []
-    for _, where, obj in json_lines(file.read_text(encoding="utf-8").splitlines(), lambda n: f"{path}, line {n}"):
-        turns = [obj["prompt"]] if isinstance(obj, dict) and "prompt" in obj else \
-            obj.get("turns") if isinstance(obj, dict) else None
-        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
-            raise SpeculaError(f"{where}: expected {{'prompt': text}} or {{'turns': [text, ...]}}")
-        conversations.append([t.strip() for t in turns])
-    if not conversations:
-        raise SpeculaError(f"prompt file {path} holds no prompts")
-    return conversations
-
-
 class JobMaker:
     """`job(i)`: the i-th job of a mix, a pure function of (mix, i) — a resumed run asks for the same jobs."""
 

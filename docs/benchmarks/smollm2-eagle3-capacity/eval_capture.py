@@ -10,10 +10,10 @@ import time
 
 import torch
 
+from specula.bench.questions import read_questions
 from specula.methods import DEFAULT_TARGET
 from specula.runtime.target import FeatureRequest, Target
 from specula.training.capture import answer_prompts
-from specula.training.conversations import read_chat_prompts
 
 which, out = sys.argv[1], sys.argv[2]
 torch.set_num_threads(int(sys.argv[3]) if len(sys.argv) > 3 else 2)
@@ -22,7 +22,8 @@ files = {"mtbench": ("../shared/data/mt_bench/question.jsonl", 128),
          "heldout": ("data/smollm2_heldout_prompts.jsonl", 256)}
 path, tokens = files[which]
 start = time.time()
-samples = answer_prompts(target, read_chat_prompts(path), FeatureRequest(True, (2, 15, 27)), tokens, batch_size=40)
+conversations = [list(q.turns) for q in read_questions(path)]
+samples = answer_prompts(target, conversations, FeatureRequest(True, (2, 15, 27)), tokens, batch_size=40)
 torch.save(samples, out)
 print(f"{len(samples)} samples, {sum(int(s['loss_mask'].sum()) for s in samples)} response tokens, "
       f"{time.time() - start:.0f} s")
