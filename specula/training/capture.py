@@ -266,12 +266,15 @@ class CaptureEngine:
         self._start_conversation(slot, done)
 
 
-def sample_dict(sample: CapturedSample) -> dict[str, torch.Tensor]:
-    """A captured sample as a trainer reads one (`specula.training.generated.GeneratedData`'s keys)."""
-    ids, probs = sample.dist_ids.long(), sample.dist_probs.float()
-    item = {"input_ids": sample.input_ids.long(), "loss_mask": sample.loss_mask, "dist_ids": ids,
-            "dist_probs": probs, "target_top": torch.where(probs[:, 0] > 0, ids[:, 0], 0)}
-    item.update({k: v for k, v in (("layer_inputs", sample.layer_inputs), ("hidden", sample.hidden)) if v is not None})
+def training_item(input_ids: torch.Tensor, loss_mask: torch.Tensor, dist_ids: torch.Tensor, dist_probs: torch.Tensor,
+                  layer_inputs: torch.Tensor | None = None, hidden: torch.Tensor | None = None
+                  ) -> dict[str, torch.Tensor]:
+    """A sample as a trainer reads one, tensors as in the module docstring: ids as int64, probabilities as float32,
+    and ``target_top`` [T], the target's own top token where its distribution was recorded (else 0)."""
+    ids, probs = dist_ids.long(), dist_probs.float()
+    item = {"input_ids": input_ids.long(), "loss_mask": loss_mask, "dist_ids": ids, "dist_probs": probs,
+            "target_top": torch.where(probs[:, 0] > 0, ids[:, 0], 0)}
+    item.update({k: v for k, v in (("layer_inputs", layer_inputs), ("hidden", hidden)) if v is not None})
     return item
 
 
@@ -279,11 +282,12 @@ def answer_prompts(target: Target, conversations: list[list[str]], request: Feat
                    max_new_tokens: int = 128, batch_size: int = 32) -> list[dict[str, torch.Tensor]]:
     """The target's greedy answers to each conversation's user turns in turn (its own earlier answers in context,
     as `specula bench` asks MT-bench's two turns), features captured in float32 as it writes: evaluation samples
-    (`sample_dict`), in the order given."""
+    (`training_item`), in the order given."""
     jobs = [Job(index, "evaluation", 0, 0.0, (Conversation(tuple(
         turn for text in turns for turn in (Turn("user", (text,)), Turn("assistant", (), 0.0, max_new_tokens)))),))
         for index, turns in enumerate(conversations)]
     found: dict[int, list[CapturedSample]] = {}
     engine = CaptureEngine(target, request, feature_dtype=torch.float32, batch_size=min(batch_size, len(jobs) or 1))
     engine.run(iter(jobs), lambda job, samples: found.__setitem__(job.index, samples))
-    return [sample_dict(sample) for index in range(len(jobs)) for sample in found[index]]
+    return [training_item(s.input_ids, s.loss_mask, s.dist_ids, s.dist_probs, s.layer_inputs, s.hidden)
+            for index in range(len(jobs)) for s in found[index]]

@@ -35,7 +35,7 @@ from specula.files.readers import open_safetensors
 from specula.kernels.q4_1 import unavailable_reason
 from specula.runtime.target import FeatureRequest, Target
 from specula.runtime.tokenizer import tokenizer_fingerprint
-from specula.training.capture import CapturedSample, CaptureEngine
+from specula.training.capture import CapturedSample, CaptureEngine, training_item
 from specula.training.conversations import Job, JobMaker, PromptMix
 from specula.training.fingerprints import cache_mismatch, stable_hash, target_fingerprint
 from specula.training.records import Log, has_chat_template, offset_lengths, shard_position
@@ -278,17 +278,14 @@ class GeneratedData:
         k, local = shard_position(self._firsts, len(self), index)
         handle, offsets, _ = self._shard(k)
         a, b = offsets[local], offsets[local + 1]
-        ids = handle.get_slice("dist_ids")[a:b].long()
-        probs = handle.get_slice("dist_probs")[a:b].float()
-        item = {"input_ids": handle.get_slice("input_ids")[a:b].long(), "loss_mask": handle.get_slice("loss_mask")[a:b],
-                "dist_ids": ids, "dist_probs": probs, "target_top": torch.where(probs[:, 0] > 0, ids[:, 0], 0)}
+        layer_inputs = hidden = None
         if self.request.layer_inputs:
             stacked = handle.get_slice("layer_inputs")[a:b]
-            item["layer_inputs"] = stacked if self.pick == list(range(len(self.stored_layers))) else \
-                stacked[:, self.pick]
+            layer_inputs = stacked if self.pick == list(range(len(self.stored_layers))) else stacked[:, self.pick]
         if self.request.final_hidden:
-            item["hidden"] = handle.get_slice("hidden")[a:b]
-        return item
+            hidden = handle.get_slice("hidden")[a:b]
+        return training_item(*(handle.get_slice(k)[a:b] for k in ("input_ids", "loss_mask", "dist_ids", "dist_probs")),
+                             layer_inputs, hidden)
 
     def _shard(self, k: int):
         if k not in self._open:
