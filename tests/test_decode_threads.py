@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pathlib
+
 import pytest
 import torch
 from conftest import LLAMA2XS
@@ -109,3 +111,20 @@ def test_a_packed_server_step_gives_the_same_bits_on_one_thread_and_two():
         logits.append([out.logits for out in packed_outputs(target, 3)[0]])
     torch.set_num_threads(before)
     assert all(torch.equal(a, b) for a, b in zip(*logits, strict=True))
+
+
+@pytest.mark.skipif(not pathlib.Path("/proc/self/task").is_dir(), reason="counts threads in /proc (Linux)")
+def test_a_thread_that_released_its_openmp_team_leaves_no_openmp_threads_behind():
+    # The server's engine steps the model on its own thread; the loading thread's idle team would make GNU OpenMP
+    # throttle every team's spinning (`specula.openmp.release_thread_team`).
+    current = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.ones(4_000_000).add_(1)  # a parallel region: this thread now keeps a team of two
+        with_team = len(list(pathlib.Path("/proc/self/task").iterdir()))
+        assert openmp.release_thread_team()
+        assert len(list(pathlib.Path("/proc/self/task").iterdir())) < with_team
+        torch.ones(4_000_000).add_(1)  # and a new team serves the next region
+        assert len(list(pathlib.Path("/proc/self/task").iterdir())) == with_team
+    finally:
+        torch.set_num_threads(current)
