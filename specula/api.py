@@ -18,6 +18,7 @@ from specula.decoding import GenerationStats, stream_tokens
 from specula.detokenize import IncrementalDecoder
 from specula.drafters.base import Drafter
 from specula.errors import SpeculaError
+from specula.openmp import release_thread_team
 from specula.runtime.target import Target
 from specula.sampling import SamplingParams
 
@@ -111,6 +112,9 @@ class Speculator:
                 yield StreamChunk([], rest)
         finally:
             self._busy.release()
+            # The next generation may run on another thread (a web app's pool of workers): this thread's idle
+            # OpenMP team would make GNU OpenMP stop that thread's team from spinning (`specula.openmp`).
+            release_thread_team()
 
     def generate(self, prompt: str | list[int] | torch.Tensor | None = None, max_new_tokens: int = 128,
                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,

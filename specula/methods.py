@@ -37,7 +37,7 @@ from specula.drafters.vanilla import VanillaDrafter
 from specula.errors import SpeculaError
 from specula.heads.eagle3_head import Eagle3Head
 from specula.heads.eagle_head import EagleHead
-from specula.openmp import default_threads, set_auto_threads
+from specula.openmp import default_threads, release_thread_team, set_auto_threads
 from specula.options import (
     ANSWERS,
     CHOICES,
@@ -392,6 +392,7 @@ def load(*args: Any, threads: int | None | str = "auto", **kwargs: Any) -> Specu
     if threads is not None:
         torch.set_num_threads(threads)
     set_auto_threads(chosen_here)
+    release_thread_team()  # the loading is done; the thread that generates may be another (`specula.openmp`)
     return speculator
 
 

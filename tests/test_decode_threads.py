@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import pathlib
+import threading
 
 import pytest
 import torch
-from conftest import LLAMA2XS
+from conftest import LLAMA2XS, STORIES
 
+import specula
 from specula import openmp
 from specula.kernels import attention, q4_1
 from specula.runtime import decode_threads as threads_module
@@ -113,6 +115,10 @@ def test_a_packed_server_step_gives_the_same_bits_on_one_thread_and_two():
     assert all(torch.equal(a, b) for a, b in zip(*logits, strict=True))
 
 
+def _os_threads() -> int:
+    return len(list(pathlib.Path("/proc/self/task").iterdir()))
+
+
 @pytest.mark.skipif(not pathlib.Path("/proc/self/task").is_dir(), reason="counts threads in /proc (Linux)")
 def test_a_thread_that_released_its_openmp_team_leaves_no_openmp_threads_behind():
     # The server's engine steps the model on its own thread; the loading thread's idle team would make GNU OpenMP
@@ -121,10 +127,35 @@ def test_a_thread_that_released_its_openmp_team_leaves_no_openmp_threads_behind(
     torch.set_num_threads(2)
     try:
         torch.ones(4_000_000).add_(1)  # a parallel region: this thread now keeps a team of two
-        with_team = len(list(pathlib.Path("/proc/self/task").iterdir()))
+        with_team = _os_threads()
         assert openmp.release_thread_team()
-        assert len(list(pathlib.Path("/proc/self/task").iterdir())) < with_team
+        assert _os_threads() < with_team
         torch.ones(4_000_000).add_(1)  # and a new team serves the next region
-        assert len(list(pathlib.Path("/proc/self/task").iterdir())) == with_team
+        assert _os_threads() == with_team
     finally:
         torch.set_num_threads(current)
+
+
+@pytest.mark.skipif(not pathlib.Path("/proc/self/task").is_dir(), reason="counts threads in /proc (Linux)")
+def test_a_generation_on_a_worker_thread_leaves_no_openmp_threads_on_it():
+    # A web app generates on a pool of long-lived threads: the team one generation leaves on its thread would
+    # slow the next generation, on another thread, as the loading thread's team slowed the server's engine.
+    speculator = specula.load(STORIES, method="vanilla", dtype="float32", threads=None)
+    current = torch.get_num_threads()
+    torch.set_num_threads(2)
+    counts = []
+
+    def worker():
+        torch.ones(4_000_000).add_(1)  # this thread keeps a team of two, as a generation's steps would leave it
+        counts.append(_os_threads())
+        speculator.generate("Once upon a time", max_new_tokens=4)
+        counts.append(_os_threads())
+
+    try:
+        thread = threading.Thread(target=worker)
+        thread.start()
+        thread.join()
+    finally:
+        torch.set_num_threads(current)
+    with_team, after = counts
+    assert after < with_team
