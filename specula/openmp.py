@@ -95,9 +95,9 @@ def release_thread_team() -> bool:
     The server loads its model on one thread and decodes on another (`specula.serve.engine`), so the loading
     thread's idle team made the decoding thread's two-thread SmolLM2 q4_1 steps 13.7-15 ms where the same steps on
     the loading thread took 6.5-7 ms (2-core AMD EPYC); with the loading thread's team released, 6.5-6.8 ms on the
-    engine's thread. The thread gets a new team the next time it runs a parallel region (~0.1 ms). GNU OpenMP lets
-    go of the calling thread's team alone; LLVM's and Intel's runtimes (a soft pause) put their idle threads to
-    sleep until the next parallel region, which changes nothing but that region's start."""
+    engine's thread. The thread gets a new team the next time it runs a parallel region (~0.1 ms). GNU OpenMP
+    (torch's Linux wheels) lets go of the calling thread's team alone; LLVM's and Intel's runtimes take the same
+    call as a soft pause (their threads sleep until the next region), measured only with GNU OpenMP here."""
     if not hasattr(os, "RTLD_NOLOAD"):
         return False
     for name in OPENMP_RUNTIMES:
