@@ -284,8 +284,8 @@ class GeneratedData:
             layer_inputs = stacked if self.pick == list(range(len(self.stored_layers))) else stacked[:, self.pick]
         if self.request.final_hidden:
             hidden = handle.get_slice("hidden")[a:b]
-        return training_item(*(handle.get_slice(k)[a:b] for k in ("input_ids", "loss_mask", "dist_ids", "dist_probs")),
-                             layer_inputs, hidden)
+        return training_item(*(handle.get_slice(name)[a:b] for name in ("input_ids", "loss_mask", "dist_ids",
+                                                                          "dist_probs")), layer_inputs, hidden)
 
     def _shard(self, k: int):
         if k not in self._open:
