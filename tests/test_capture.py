@@ -19,6 +19,7 @@ from specula.runtime.model_source import default_target
 from specula.runtime.target import FeatureRequest, Target
 from specula.training.conversations import PromptMix
 from specula.training.eagle3_trainer import Eagle3TrainOptions, train_eagle3
+from specula.training.eagle_trainer import EagleTrainOptions, train_eagle
 from specula.training.generated import JOURNAL_FILE, SHARDS, GeneratedData, GenerationOptions, generate_data
 from specula.training.loop import TrainConfig
 from specula.training.recipe import generated_sets
@@ -189,6 +190,25 @@ def test_generated_data_trains_an_eagle3_head(seeds, tmp_path, mixed_precision):
                                               eval_samples=2), log=lambda message: None)
     losses = [record["loss"] for record in history if "loss" in record]
     assert len(losses) == 5 and all(torch.isfinite(torch.tensor(losses)))
+    assert (tmp_path / "head" / "model.safetensors").is_file()
+
+
+def test_data_a_q4_1_target_wrote_trains_an_eagle_head(seeds, tmp_path):
+    # EAGLE-1's loss runs the head's prediction through the target's LM head with gradients; a q4_1 LM head's
+    # kernel has none (this once crashed on the first step). The data is written by the model as users run it.
+    weights = "q4_1" if unavailable_reason() is None else "int4"
+    target = Target.load(STORIES, dtype="float32", weights=weights)
+    request = FeatureRequest(final_hidden=True)
+    generate_data(target, tmp_path / "data", small_mix(seeds, chat=False), request,
+                  GenerationOptions(max_jobs=8, batch_size=4, flush_jobs=4), log=None)
+    train, evaluation = generated_sets(tmp_path / "data", request, eval_samples=2, target=target)
+    history = train_eagle(target, train, evaluation, tmp_path / "head",
+                          TrainConfig(epochs=1, batch_size=2, warmup_steps=1, save_every=100),
+                          EagleTrainOptions(eval_samples=2, tau_prompts=1), log=lambda message: None)
+    losses = [record["loss"] for record in history if "loss" in record]
+    assert losses and all(torch.isfinite(torch.tensor(losses)))
+    evaluation = [record["eval"] for record in history if "eval" in record][-1]
+    assert 0 <= evaluation["0-alpha"] <= 1 and evaluation["eagle2_tau"] >= 1
     assert (tmp_path / "head" / "model.safetensors").is_file()
 
 

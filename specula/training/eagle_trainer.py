@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from specula.drafters.eagle import EagleDrafter, check_head_fits
 from specula.errors import SpeculaError
 from specula.heads.eagle_head import EagleHead
+from specula.runtime.quantized_linear import dequantized_weight
 from specula.runtime.target import Target
 from specula.training.chain import chain_acceptance
 from specula.training.evaluation import mean_tau
@@ -33,7 +34,10 @@ TOKEN_LOSS_WEIGHT = 0.1
 def eagle_loss(target: Target, noise: float = FEATURE_NOISE):
     """The loss function for `run_training`: batch has input_ids, loss_mask, hidden, valid, noise_seed."""
     embed = target.model.get_input_embeddings()
-    lm_head = target.model.get_output_embeddings()
+    # The LM head as a plain float32 matrix [V, H]: gradients flow through it to the head's prediction, and a
+    # quantized target's kernel (q4_1, int4: the format the data was captured in) has no backward. Read back
+    # through the module itself, so it is the weight the target as loaded applies.
+    lm_weight = dequantized_weight(target.model.get_output_embeddings()).to(target.device)
 
     def loss_fn(head: EagleHead, batch: dict[str, torch.Tensor]):
         features = batch["hidden"].float()
@@ -50,9 +54,9 @@ def eagle_loss(target: Target, noise: float = FEATURE_NOISE):
         # Only trained positions go through the (large) LM head.
         predicted, wanted = predicted[mask], features[:, 1:][mask]
         with torch.no_grad():
-            target_probs = torch.softmax(lm_head(wanted.to(lm_head.weight.dtype)).float(), dim=-1)
+            target_probs = torch.softmax(F.linear(wanted, lm_weight), dim=-1)
         feature_loss = F.smooth_l1_loss(predicted, wanted, reduction="none").mean(-1)
-        head_log_probs = torch.log_softmax(lm_head(predicted.to(lm_head.weight.dtype)).float(), dim=-1)
+        head_log_probs = torch.log_softmax(F.linear(predicted, lm_weight), dim=-1)
         token_loss = -(target_probs * head_log_probs).sum(-1)
         count = max(int(mask.sum()), 1)
         loss_sum = (feature_loss + TOKEN_LOSS_WEIGHT * token_loss).sum()
