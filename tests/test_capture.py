@@ -210,6 +210,8 @@ def test_data_a_q4_1_target_wrote_trains_an_eagle_head(seeds, tmp_path):
     evaluation = [record["eval"] for record in history if "eval" in record][-1]
     assert 0 <= evaluation["0-alpha"] <= 1 and evaluation["eagle2_tau"] >= 1
     assert (tmp_path / "head" / "model.safetensors").is_file()
+    # the head's config says which format it was trained for
+    assert json.loads((tmp_path / "head" / "config.json").read_text())["trained_on_weights"] == weights
 
 
 def test_smollm2_generated_data_trains_an_eagle3_head_from_the_cli(smollm2, tmp_path):
@@ -225,7 +227,8 @@ def test_smollm2_generated_data_trains_an_eagle3_head_from_the_cli(smollm2, tmp_
         cwd=REPO, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
     assert (out / "model.safetensors").is_file()
-    assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 2
+    config = json.loads((out / "config.json").read_text())
+    assert config["num_hidden_layers"] == 2 and config["trained_on_weights"] == weights
     evaluation = [record["eval"] for record in json.loads((out / "training_history.json").read_text())
                   if "eval" in record][-1]
     # the held-out chat answers were written and drafted against: rates of the three chain depths

@@ -16,6 +16,11 @@ import torch
 from specula.runtime.static_cache import SlotBlock, StaticKVCache
 from specula.runtime.target import FeatureRequest, ForwardOutput, Target
 
+# The config key naming the weights format of the target whose features and answers a head learned from (a
+# trainer writes it; "q4_1", "float32", ...): a head fits that format best (heads/bundled/*/README.md measure
+# what another format costs). Serving frameworks ignore keys they do not know.
+TRAINED_ON_WEIGHTS = "trained_on_weights"
+
 
 class DraftHead(Protocol):
     """A head that predicts the target's next feature from (feature, next-token embedding) pairs.

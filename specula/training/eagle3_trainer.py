@@ -23,6 +23,7 @@ import torch
 
 from specula.drafters.eagle import EAGLE3_BUDGETS, budget_device, check_head_fits
 from specula.errors import SpeculaError
+from specula.heads.base import TRAINED_ON_WEIGHTS
 from specula.heads.eagle3_head import Eagle3Head, default_feature_layers, fused_feature_request
 from specula.heads.formats import load_head
 from specula.runtime.target import FeatureRequest, Target
@@ -244,6 +245,8 @@ def train_eagle3(target: Target, train_set, eval_set, out: Path, config: TrainCo
             report.update({f"chat-{n}-alpha": round(rate, 4) for n, rate in enumerate(chat)})
         report["draft_vocab_coverage"] = round(coverage, 4)
         return report
+
+    head.config[TRAINED_ON_WEIGHTS] = target.weights  # saved with every checkpoint
 
     generated = len(train_set) > 0 and "dist_probs" in train_set[0]  # captured top-k: no hidden needed
     keys = ("input_ids", "loss_mask", "target_top") + (("dist_ids", "dist_probs") if generated else ("hidden",))

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from specula.drafters.eagle import EagleDrafter, check_head_fits
 from specula.errors import SpeculaError
+from specula.heads.base import TRAINED_ON_WEIGHTS
 from specula.heads.eagle_head import EagleHead
 from specula.runtime.quantized_linear import dequantized_weight
 from specula.runtime.target import Target
@@ -106,6 +107,8 @@ def train_eagle(target: Target, train_set, eval_set, out: Path, config: TrainCon
         log(f"starting from the head in {options.init}")
     else:
         head = EagleHead.for_target(target.config, num_layers=options.num_layers or 1).float().to(target.device)
+
+    head.config[TRAINED_ON_WEIGHTS] = target.weights  # saved with every checkpoint
 
     def evaluate(model: EagleHead, epoch: int) -> dict:
         subset = [eval_set[i] for i in range(min(len(eval_set), options.eval_samples))]
