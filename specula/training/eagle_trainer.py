@@ -32,13 +32,25 @@ FEATURE_NOISE = 0.1
 TOKEN_LOSS_WEIGHT = 0.1
 
 
+def differentiable_lm_head(target: Target):
+    """The target's LM head as a function of features [.., H] -> float32 logits [.., V] that gradients flow through.
+
+    A float module is used as it is (its own row-invariant float32 kernel included: a batch split across processes
+    gives the same logits). A quantized one (q4_1, int4: the format data was captured in) has no backward; its
+    weight is read back through it once as a float32 matrix, the values the target as loaded applies.
+    """
+    lm_head = target.model.get_output_embeddings()
+    weight = getattr(lm_head, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.is_floating_point():
+        return lambda features: lm_head(features.to(weight.dtype)).float()
+    dense = dequantized_weight(lm_head).to(target.device).contiguous()  # [V, H]
+    return lambda features: F.linear(features.float(), dense)
+
+
 def eagle_loss(target: Target, noise: float = FEATURE_NOISE):
     """The loss function for `run_training`: batch has input_ids, loss_mask, hidden, valid, noise_seed."""
     embed = target.model.get_input_embeddings()
-    # The LM head as a plain float32 matrix [V, H]: gradients flow through it to the head's prediction, and a
-    # quantized target's kernel (q4_1, int4: the format the data was captured in) has no backward. Read back
-    # through the module itself, so it is the weight the target as loaded applies.
-    lm_weight = dequantized_weight(target.model.get_output_embeddings()).to(target.device)
+    lm_head = differentiable_lm_head(target)
 
     def loss_fn(head: EagleHead, batch: dict[str, torch.Tensor]):
         features = batch["hidden"].float()
@@ -55,9 +67,9 @@ def eagle_loss(target: Target, noise: float = FEATURE_NOISE):
         # Only trained positions go through the (large) LM head.
         predicted, wanted = predicted[mask], features[:, 1:][mask]
         with torch.no_grad():
-            target_probs = torch.softmax(F.linear(wanted, lm_weight), dim=-1)
+            target_probs = torch.softmax(lm_head(wanted), dim=-1)
         feature_loss = F.smooth_l1_loss(predicted, wanted, reduction="none").mean(-1)
-        head_log_probs = torch.log_softmax(F.linear(predicted, lm_weight), dim=-1)
+        head_log_probs = torch.log_softmax(lm_head(predicted), dim=-1)
         token_loss = -(target_probs * head_log_probs).sum(-1)
         count = max(int(mask.sum()), 1)
         loss_sum = (feature_loss + TOKEN_LOSS_WEIGHT * token_loss).sum()
