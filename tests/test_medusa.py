@@ -28,8 +28,9 @@ from specula.drafters.medusa import (
 )
 from specula.errors import SpeculaError
 from specula.heads.medusa_head import MedusaHeads
+from specula.kernels import q4_1
 from specula.runtime.plain_model import transformers_model
-from specula.runtime.target import Target
+from specula.runtime.target import FeatureRequest, Target
 from specula.sampling import SamplingParams
 from specula.training.loop import TrainConfig
 from specula.training.medusa_trainer import MedusaTrainOptions, train_medusa
@@ -367,6 +368,25 @@ def test_typical_acceptance_keeps_the_deepest_typical_path():
     with pytest.raises(SpeculaError, match="unknown acceptance"):
         make_acceptor("fast")
 
+
+
+@pytest.mark.parametrize("shared_lm_head", [False, True])
+def test_heads_train_on_a_quantized_target_in_either_layout(stories_samples, tmp_path, shared_lm_head):
+    """Users run q4_1, so heads learn from features that model wrote. Fresh heads once could not start there (its
+    LM head has no float weight to copy), and heads sharing its LM head got no gradient through the kernel: their
+    blocks stayed the identity while the loss looked finite."""
+    weights = "q4_1" if q4_1.unavailable_reason() is None else "int4"
+    target = Target.load(STORIES, dtype="float32", weights=weights)
+    request = FeatureRequest(final_hidden=True)
+    samples = [{**s, "hidden": target.prefill(s["input_ids"], request).hidden} for s in stories_samples]
+    config = TrainConfig(epochs=3, batch_size=4, lr=3e-2, warmup_steps=2, save_every=1000)
+    train_medusa(target, samples[:16], samples[16:], tmp_path, config,
+                 MedusaTrainOptions(num_heads=2, shared_lm_head=shared_lm_head), log=lambda _: None)
+    losses = [h["loss"] for h in json.loads((tmp_path / "training_history.json").read_text()) if "loss" in h]
+    assert losses[-1] < losses[0]
+    heads = MedusaHeads.from_pretrained(tmp_path)
+    blocks = [p for name, p in heads.named_parameters() if "linear" in name]
+    assert blocks and all(p.abs().sum() > 0 for p in blocks)  # moved away from the identity they start as
 
 def test_fine_tuning_starts_from_the_given_heads(stories_target, stories_samples, tmp_path, capfd):
     from specula.cli import main

@@ -133,6 +133,23 @@ def test_float32_linear_is_the_float32_matmul_on_the_same_parameters(rows):
     assert ((out.double() - reference).abs() <= kernel_bound(x, linear.weight, torch.float32)).all()
 
 
+
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8", "int4", Q4_1])
+def test_every_format_passes_its_input_the_gradient_of_the_weight_it_applies(fmt):
+    """A trainer differentiating through a frozen target's layer (Medusa heads sharing a q4_1 LM head) gets
+    d(loss)/dx = grad @ W, W what the layer applies; a kernel without a backward once gave no gradient at all,
+    and the heads trained nothing. The weight stays frozen. Shapes the kernels pad (N 48, K 96 + bias)."""
+    (layer,) = _linears(fmt, [48], width=96, bias=True)
+    x = torch.randn(2, 3, 96, requires_grad=True)
+    upstream = torch.randn(2, 3, 48)
+    (layer(x) * upstream).sum().backward()
+    applied = dequantized_weight(layer).double()
+    expected = upstream.double() @ applied
+    assert x.grad is not None and x.grad.shape == x.shape
+    tolerance = 1e-5 if fmt == "float32" else 2.0**-7
+    assert ((x.grad.double() - expected).abs() <= tolerance * (upstream.double().abs() @ applied.abs()) + 1e-6).all()
+    assert not any(t.requires_grad or t.grad is not None for t in (*layer.parameters(), *layer.buffers()))
+
 def test_float32_target_keeps_its_tied_lm_head_tied_and_small_layers_plain(monkeypatch):
     """Swapping in Float32Linear keeps every parameter: a tied LM head still is the embedding. Layers small
     enough to stay in cache keep `F.linear`, which is faster for them (without the row-invariant kernel, which

@@ -51,6 +51,7 @@ from torch import nn
 from specula.errors import SpeculaError
 from specula.files.outputs import atomic_write
 from specula.files.readers import check_fields, load_safetensors, load_torch
+from specula.runtime.quantized_linear import dequantized_weight
 
 WEIGHT_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt", "model.safetensors")
 PREFIX = "medusa_head."
@@ -103,7 +104,7 @@ class MedusaHeads(nn.Module):
         if shared_lm_head:
             heads.zero_blocks()
             return heads.attach(target)
-        heads.init_from_lm_head(lm_head.weight)
+        heads.init_from_lm_head(dequantized_weight(lm_head))  # a quantized LM head has no float weight
         return heads
 
     def attach(self, target) -> MedusaHeads:

@@ -149,13 +149,53 @@ class _KernelLinear(nn.Module):
         flat = x.reshape(-1, self.in_features).to(self.input_dtype)
         if self.padded_in != self.in_features:
             flat = F.pad(flat, (0, self.padded_in - self.in_features))
-        y = self.kernel(flat.contiguous())
+        if torch.is_grad_enabled() and flat.requires_grad:
+            y = _KernelWithInputGradient.apply(flat.contiguous(), self)
+        else:
+            y = self.kernel(flat.contiguous())
         if y.shape[1] != self.out_features:
             y = y[:, :self.out_features]
         y = y.to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
+
+
+    def input_gradient_weight(self) -> torch.Tensor:
+        """float32 [N, K]: the matrix a gradient flows back through, read once through the kernel and kept
+        (a trainer differentiates through the same frozen layer every step)."""
+        cached = self.__dict__.get("_input_gradient_weight")
+        if cached is None or cached.device != next(self.buffers()).device:  # made before a move to a device
+            with torch.no_grad():
+                cached = dequantized_weight(self)
+            self.__dict__["_input_gradient_weight"] = cached
+        return cached
+
+    def __getstate__(self) -> dict:
+        # The kept gradient matrix is derived data: never pickled with the layer (the converted-model cache).
+        return {name: value for name, value in self.__dict__.items() if name != "_input_gradient_weight"}
+
+
+class _KernelWithInputGradient(torch.autograd.Function):
+    """A kernel's product with a backward for its input only (the weights are frozen buffers): the gradient of
+    rows [M, K'] is grad [M, N'] @ W, W the float32 matrix the kernel applies. For q4_1, whose kernel rounds each
+    row to 8-bit codes first, that rounding passes the gradient straight through. Lets a trainer differentiate
+    through a quantized target's layer (Medusa heads sharing a q4_1 LM head), which would otherwise get no
+    gradient at all."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, layer: _KernelLinear) -> torch.Tensor:
+        ctx.layer = layer
+        return layer.kernel(rows)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        layer = ctx.layer
+        weight = layer.input_gradient_weight()  # [N, K]
+        grad_rows = grad[:, :layer.out_features].float() @ weight
+        if layer.padded_in != layer.in_features:
+            grad_rows = F.pad(grad_rows, (0, layer.padded_in - layer.in_features))
+        return grad_rows.to(layer.input_dtype), None
 
 
 class Int8Linear(_KernelLinear):
@@ -265,7 +305,7 @@ class Q4_1Linear(_KernelLinear):
     def __getstate__(self) -> dict:
         # The op is a handle into the loaded extension, not data: a saved converted model
         # (`specula.runtime.converted_cache`) looks it up again when it is read.
-        return {name: value for name, value in self.__dict__.items() if name != "_op"}
+        return {name: value for name, value in super().__getstate__().items() if name != "_op"}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
