@@ -22,7 +22,6 @@ from specula.drafters.eagle import EagleDrafter, check_head_fits
 from specula.errors import SpeculaError
 from specula.heads.base import TRAINED_ON_WEIGHTS
 from specula.heads.eagle_head import EagleHead
-from specula.runtime.quantized_linear import dequantized_weight
 from specula.runtime.target import Target
 from specula.training.chain import chain_acceptance
 from specula.training.evaluation import mean_tau
@@ -35,16 +34,16 @@ TOKEN_LOSS_WEIGHT = 0.1
 def differentiable_lm_head(target: Target):
     """The target's LM head as a function of features [.., H] -> float32 logits [.., V] that gradients flow through.
 
-    A float module is used as it is (its own row-invariant float32 kernel included: a batch split across processes
-    gives the same logits). A quantized one (q4_1, int4: the format data was captured in) has no backward; its
-    weight is read back through it once as a float32 matrix, the values the target as loaded applies.
+    The module itself, in every format: the logits are what the target as loaded computes (a float module's own
+    row-invariant float32 kernel included, so a batch split across processes gives the same logits), and a
+    quantized one (q4_1, int4: the format data was captured in) passes gradients back through the weight it
+    applies (`specula.runtime.quantized_linear`).
     """
     lm_head = target.model.get_output_embeddings()
     weight = getattr(lm_head, "weight", None)
-    if isinstance(weight, torch.Tensor) and weight.is_floating_point():
-        return lambda features: lm_head(features.to(weight.dtype)).float()
-    dense = dequantized_weight(lm_head).to(target.device).contiguous()  # [V, H]
-    return lambda features: F.linear(features.float(), dense)
+    # A float module computes in its weight's dtype; a quantized one casts its input itself.
+    dtype = weight.dtype if isinstance(weight, torch.Tensor) and weight.is_floating_point() else torch.float32
+    return lambda features: lm_head(features.to(dtype)).float()
 
 
 def eagle_loss(target: Target, noise: float = FEATURE_NOISE):
