@@ -105,7 +105,7 @@ def test_the_default_target_drafts_from_its_bundled_answers_unless_told_none(smo
 
     target = smollm2.speculator.target
     suffix = build_speculator(target, "suffix", profile=False)
-    assert suffix.drafter.answers is not None and suffix.drafter.answers.texts == 2225
+    assert suffix.drafter.answers is not None and suffix.drafter.answers.texts == 6402
     assert build_speculator(target, "suffix", profile=False, answers="none").drafter.answers is None
     merged = build_speculator(target, "eagle3", profile=False)
     assert merged.drafter.suffix_drafter.answers is suffix.drafter.answers  # one copy per process
