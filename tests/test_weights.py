@@ -138,10 +138,10 @@ def test_float32_linear_is_the_float32_matmul_on_the_same_parameters(rows):
 def test_every_format_passes_its_input_the_gradient_of_the_weight_it_applies(fmt):
     """A trainer differentiating through a frozen target's layer (Medusa heads sharing a q4_1 LM head) gets
     d(loss)/dx = grad @ W, W what the layer applies; a kernel without a backward once gave no gradient at all,
-    and the heads trained nothing. The weight stays frozen. Shapes the kernels pad (N 48, K 96 + bias)."""
-    (layer,) = _linears(fmt, [48], width=96, bias=True)
-    x = torch.randn(2, 3, 96, requires_grad=True)
-    upstream = torch.randn(2, 3, 48)
+    and the heads trained nothing. The weight stays frozen. A shape every kernel pads (N 44, K 72), and a bias."""
+    (layer,) = _linears(fmt, [44], width=72, bias=True)
+    x = torch.randn(2, 3, 72, requires_grad=True)
+    upstream = torch.randn(2, 3, 44)
     (layer(x) * upstream).sum().backward()
     applied = dequantized_weight(layer).double()
     expected = upstream.double() @ applied

@@ -173,7 +173,9 @@ class _KernelLinear(nn.Module):
 
     def __getstate__(self) -> dict:
         # The kept gradient matrix is derived data: never pickled with the layer (the converted-model cache).
-        return {name: value for name, value in self.__dict__.items() if name != "_input_gradient_weight"}
+        state = super().__getstate__()
+        state.pop("_input_gradient_weight", None)
+        return state
 
 
 class _KernelWithInputGradient(torch.autograd.Function):
@@ -410,10 +412,14 @@ class Float32Linear(nn.Linear):
 def dequantized_weight(module: nn.Module) -> torch.Tensor:
     """float32 [N, K]: the weight a (quantized or plain) linear layer applies, read back through its own kernel.
 
-    Multiplying the identity through the layer gives exactly what its kernel computes for each input
+    Multiplying the identity through a quantized layer gives exactly what its kernel computes for each input
     column (every module casts its input to its compute dtype, in which 0 and 1 are exact), packing
-    included, so this checks the whole path rather than a reconstruction of it.
+    included, so this checks the whole path rather than a reconstruction of it. A float layer (any dtype:
+    a bfloat16 `nn.Linear` would refuse a float32 identity) applies its weight as it is.
     """
+    weight = getattr(module, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.is_floating_point():  # a float layer applies its weight as it is
+        return weight.detach().float()
     device = next(itertools.chain(module.parameters(), module.buffers())).device
     out = module(torch.eye(module.in_features, device=device))
     if module.bias is not None:
