@@ -20,6 +20,7 @@ from specula.gguf.blocks import blocks_to_groups, llama_row_order
 from specula.kernels import float32 as float32_kernel
 from specula.kernels import q4_1
 from specula.runtime.fused_linear import fuse_outputs
+from specula.runtime.linear_gradient import dequantized_weight
 from specula.runtime.plain_model import transformers_model
 from specula.runtime.quantized_linear import (
     BFloat16Linear,
@@ -27,7 +28,6 @@ from specula.runtime.quantized_linear import (
     Int4Linear,
     Int8Linear,
     Q4_1Linear,
-    dequantized_weight,
     int4_groups,
     int8_rows,
 )

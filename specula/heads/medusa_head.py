@@ -51,7 +51,7 @@ from torch import nn
 from specula.errors import SpeculaError
 from specula.files.outputs import atomic_write
 from specula.files.readers import check_fields, load_safetensors, load_torch
-from specula.runtime.quantized_linear import dequantized_weight
+from specula.runtime.linear_gradient import dequantized_weight
 
 WEIGHT_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt", "model.safetensors")
 PREFIX = "medusa_head."

@@ -31,7 +31,6 @@ default, and float32 is there for exactness checks.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -41,6 +40,7 @@ from torch import nn
 
 from specula.kernels import q4_1
 from specula.kernels.float32 import kernel as float32_kernel
+from specula.runtime.linear_gradient import KEPT_WEIGHT, KernelInputGradient
 
 GROUP_SIZE = 32
 INT4_N_MULTIPLE = 16  # the CPU packing refuses other N; CUDA needs 8
@@ -150,7 +150,7 @@ class _KernelLinear(nn.Module):
         if self.padded_in != self.in_features:
             flat = F.pad(flat, (0, self.padded_in - self.in_features))
         if torch.is_grad_enabled() and flat.requires_grad:
-            y = _KernelWithInputGradient.apply(flat.contiguous(), self)
+            y = KernelInputGradient.apply(flat.contiguous(), self)
         else:
             y = self.kernel(flat.contiguous())
         if y.shape[1] != self.out_features:
@@ -161,43 +161,11 @@ class _KernelLinear(nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
-    def input_gradient_weight(self) -> torch.Tensor:
-        """float32 [N, K]: the matrix a gradient flows back through, read once through the kernel and kept
-        (a trainer differentiates through the same frozen layer every step)."""
-        cached = self.__dict__.get("_input_gradient_weight")
-        if cached is None or cached.device != next(self.buffers()).device:  # made before a move to a device
-            with torch.no_grad():
-                cached = dequantized_weight(self)
-            self.__dict__["_input_gradient_weight"] = cached
-        return cached
-
     def __getstate__(self) -> dict:
         # The kept gradient matrix is derived data: never pickled with the layer (the converted-model cache).
         state = super().__getstate__()
-        state.pop("_input_gradient_weight", None)
+        state.pop(KEPT_WEIGHT, None)
         return state
-
-
-class _KernelWithInputGradient(torch.autograd.Function):
-    """A kernel's product with a backward for its input only (the weights are frozen buffers): the gradient of
-    rows [M, K'] is grad [M, N'] @ W, W the float32 matrix the kernel applies. For q4_1, whose kernel rounds each
-    row to 8-bit codes first, that rounding passes the gradient straight through. Lets a trainer differentiate
-    through a quantized target's layer (Medusa heads sharing a q4_1 LM head), which would otherwise get no
-    gradient at all."""
-
-    @staticmethod
-    def forward(ctx, rows: torch.Tensor, layer: _KernelLinear) -> torch.Tensor:
-        ctx.layer = layer
-        return layer.kernel(rows)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        layer = ctx.layer
-        weight = layer.input_gradient_weight()  # [N, K]
-        grad_rows = grad[:, :layer.out_features].float() @ weight
-        if layer.padded_in != layer.in_features:
-            grad_rows = F.pad(grad_rows, (0, layer.padded_in - layer.in_features))
-        return grad_rows.to(layer.input_dtype), None
 
 
 class Int8Linear(_KernelLinear):
@@ -407,24 +375,6 @@ class Float32Linear(nn.Linear):
         if self.bias is not None:
             out += self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
-
-
-def dequantized_weight(module: nn.Module) -> torch.Tensor:
-    """float32 [N, K]: the weight a (quantized or plain) linear layer applies, read back through its own kernel.
-
-    Multiplying the identity through a quantized layer gives exactly what its kernel computes for each input
-    column (every module casts its input to its compute dtype, in which 0 and 1 are exact), packing
-    included, so this checks the whole path rather than a reconstruction of it. A float layer (any dtype:
-    a bfloat16 `nn.Linear` would refuse a float32 identity) applies its weight as it is.
-    """
-    weight = getattr(module, "weight", None)
-    if isinstance(weight, torch.Tensor) and weight.is_floating_point():  # a float layer applies its weight as it is
-        return weight.detach().float()
-    device = next(itertools.chain(module.parameters(), module.buffers())).device
-    out = module(torch.eye(module.in_features, device=device))
-    if module.bias is not None:
-        out = out - module.bias.to(out.dtype)
-    return out.t().float()
 
 
 # What each fusible kind holds per output row: tensors whose dim 0 runs over outputs (stacked, and the parts
