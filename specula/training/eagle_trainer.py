@@ -37,7 +37,7 @@ def differentiable_lm_head(target: Target):
     The module itself, in every format: the logits are what the target as loaded computes (a float module's own
     row-invariant float32 kernel included, so a batch split across processes gives the same logits), and a
     quantized one (q4_1, int4: the format data was captured in) passes gradients back through the weight it
-    applies (`specula.runtime.quantized_linear`).
+    applies (`specula.runtime.linear_gradient`).
     """
     lm_head = target.model.get_output_embeddings()
     weight = getattr(lm_head, "weight", None)
