@@ -43,6 +43,7 @@ from specula.errors import SpeculaError
 from specula.heads.base import top_of
 from specula.heads.checkpoint import build_module, load_checked, load_state_dict, read_config, save_module
 from specula.heads.eagle_head import CONFIG_KEYS, llama_config
+from specula.runtime.linear_gradient import dequantized_weight
 from specula.runtime.static_cache import (
     SlotBlock,
     StaticKVCache,
@@ -143,10 +144,9 @@ class Eagle3Head(nn.Module):
     @torch.no_grad()
     def start_from_target_output(self, lm_head: nn.Module, final_norm: nn.Module) -> None:
         """Set ``lm_head`` to the target LM head's rows of the draft vocabulary and ``norm`` to its final norm, so
-        that a fresh head starts out predicting through the target's own output layer. The rows are read through
-        the module (its products with the identity), so any weights format gives the values it computes with."""
-        eye = torch.eye(self.hidden_size, device=self.lm_head.weight.device)
-        rows = lm_head(eye.to(final_norm.weight.dtype)).float().T  # [V, H]
+        that a fresh head starts out predicting through the target's own output layer. A quantized layer's rows are
+        read through its kernel (`dequantized_weight`), so any weights format gives the values it computes with."""
+        rows = dequantized_weight(lm_head).to(self.lm_head.weight.device)  # [V, H]
         self.lm_head.weight.copy_(rows[self.target_vocab_ids()])
         self.norm.weight.copy_(final_norm.weight)
 

@@ -51,7 +51,7 @@ from torch import nn
 from specula.errors import SpeculaError
 from specula.files.outputs import atomic_write
 from specula.files.readers import check_fields, load_safetensors, load_torch
-from specula.runtime.linear_gradient import dequantized_weight
+from specula.runtime.linear_gradient import dequantized_weight, float_weight
 
 WEIGHT_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt", "model.safetensors")
 PREFIX = "medusa_head."
@@ -140,8 +140,8 @@ class MedusaHeads(nn.Module):
         lm_head = self.__dict__["_lm_head"]() if "_lm_head" in self.__dict__ else None
         if lm_head is None:
             raise RuntimeError("MedusaHeads.attach(target) must be called before heads sharing the LM head run")
-        # A quantized LM head (specula.runtime.weights) casts its input itself and has no float weight.
-        dtype = lm_head.weight.dtype if isinstance(lm_head, nn.Linear) else hidden.dtype
+        weight = float_weight(lm_head)  # a quantized LM head has none and casts its input itself
+        dtype = hidden.dtype if weight is None else weight.dtype
         return torch.stack([lm_head(head(hidden).to(dtype)) for head in heads])
 
     @property

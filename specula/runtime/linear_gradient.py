@@ -18,6 +18,13 @@ from torch import nn
 KEPT_WEIGHT = "_input_gradient_weight"  # the layer's __dict__ key of its kept float32 matrix
 
 
+def float_weight(module: nn.Module) -> torch.Tensor | None:
+    """A float linear layer's own weight [N, K] (its dtype is the one it computes in); None for a kernel-backed
+    (quantized) layer, which has no float weight and casts its input to its compute dtype itself."""
+    weight = getattr(module, "weight", None)
+    return weight if isinstance(weight, torch.Tensor) and weight.is_floating_point() else None
+
+
 def dequantized_weight(module: nn.Module) -> torch.Tensor:
     """float32 [N, K]: the weight a (quantized or plain) linear layer applies, read back through its own kernel.
 
@@ -26,8 +33,8 @@ def dequantized_weight(module: nn.Module) -> torch.Tensor:
     included, so this checks the whole path rather than a reconstruction of it. A float layer (any dtype:
     a bfloat16 `nn.Linear` would refuse a float32 identity) applies its weight as it is.
     """
-    weight = getattr(module, "weight", None)
-    if isinstance(weight, torch.Tensor) and weight.is_floating_point():  # a float layer applies its weight as it is
+    weight = float_weight(module)
+    if weight is not None:  # a float layer applies its weight as it is
         return weight.detach().float()
     device = next(itertools.chain(module.parameters(), module.buffers())).device
     out = module(torch.eye(module.in_features, device=device))

@@ -22,6 +22,7 @@ from specula.drafters.eagle import EagleDrafter, check_head_fits
 from specula.errors import SpeculaError
 from specula.heads.base import TRAINED_ON_WEIGHTS
 from specula.heads.eagle_head import EagleHead
+from specula.runtime.linear_gradient import float_weight
 from specula.runtime.target import Target
 from specula.training.chain import chain_acceptance
 from specula.training.evaluation import mean_tau
@@ -40,9 +41,8 @@ def differentiable_lm_head(target: Target):
     applies (`specula.runtime.linear_gradient`).
     """
     lm_head = target.model.get_output_embeddings()
-    weight = getattr(lm_head, "weight", None)
-    # A float module computes in its weight's dtype; a quantized one casts its input itself.
-    dtype = weight.dtype if isinstance(weight, torch.Tensor) and weight.is_floating_point() else torch.float32
+    weight = float_weight(lm_head)  # a float module computes in its weight's dtype; a quantized one casts itself
+    dtype = torch.float32 if weight is None else weight.dtype
     return lambda features: lm_head(features.to(dtype)).float()
 
 
