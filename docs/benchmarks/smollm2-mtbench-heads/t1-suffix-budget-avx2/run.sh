@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Does a shorter or stricter suffix draft pay at T=1 on this AVX2 machine? 3 MT-bench questions per category.
-cd /work/main
+cd "$(dirname "$0")/../../../.."  # the repository root
 .venv/bin/specula bench --target SmolLM2-135M-Instruct --data ../shared/data/mt_bench/question.jsonl --limit 3 \
   --temperature 1 --max-new-tokens 128 --seed 0 --weights q4_1 --threads 1 --no-profile \
   --methods vanilla,suffix,suffix-n1,suffix-n2,suffix-p5 \
