@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 import specula
-from specula.serve.budget import DraftBudget, measured_curve, parse_budget_table
+from specula.draft_budget import DraftBudget, measured_curve, parse_budget_table
 from specula.serve.engine import BatchedEngine
 from specula.serve.requests import Failed, Finished, GenerationRequest
 

@@ -16,6 +16,7 @@ from specula.acceptance import Acceptor
 from specula.chat.template import chat_ids
 from specula.decoding import GenerationStats, stream_tokens
 from specula.detokenize import IncrementalDecoder
+from specula.draft_budget import DRAFT_BUDGETS, DraftBudget, cached_curve
 from specula.drafters.base import Drafter
 from specula.errors import SpeculaError
 from specula.openmp import release_thread_team
@@ -41,14 +42,33 @@ class StreamChunk:
 
 
 class Speculator:
-    """A target model paired with one drafting method and an acceptance rule (lossless unless asked)."""
+    """A target model paired with one drafting method and an acceptance rule (lossless unless asked).
 
-    def __init__(self, target: Target, method: str, drafter: Drafter, acceptor: Acceptor | None = None):
+    ``draft_budget``: "auto" caps each cycle's draft where verifying it would cost more than it is expected to win,
+    from this machine's verify-cost curve and the acceptance measured on this Speculator's own generations
+    (`specula.draft_budget`; what `specula.load` builds); "off" verifies whatever the drafter proposes.
+    """
+
+    def __init__(self, target: Target, method: str, drafter: Drafter, acceptor: Acceptor | None = None,
+                 draft_budget: str = "off"):
+        if draft_budget not in DRAFT_BUDGETS:
+            raise SpeculaError(f"draft_budget must be one of {', '.join(DRAFT_BUDGETS)}, got {draft_budget!r}")
         self.target = target
         self.method = method
         self.drafter = drafter
         self.acceptor = acceptor or Acceptor()
+        self.draft_budget = draft_budget
+        self._budget: DraftBudget | None = None  # made at the first generation: its curve may need measuring
         self._busy = threading.Lock()  # one KV cache: one generation at a time
+
+    @property
+    def budget(self) -> DraftBudget | None:
+        """The draft budget every generation of this Speculator shares (None: drafts are not capped)."""
+        if self.draft_budget == "off" or self.method == "vanilla":
+            return None
+        if self._budget is None:
+            self._budget = DraftBudget(cached_curve(self.target), max_batch=1)
+        return self._budget
 
     @property
     def lossless(self) -> bool:
@@ -105,7 +125,7 @@ class Speculator:
         try:
             text = IncrementalDecoder(self.tokenizer)
             for chunk in stream_tokens(self.target, self.drafter, ids, max_new_tokens, params, seed, stop_on_eos,
-                                       acceptor=self.acceptor, stats=stats):
+                                       acceptor=self.acceptor, stats=stats, budget=self.budget):
                 yield StreamChunk(chunk, text.push(chunk))
             rest = text.finish()  # characters held back as incomplete at the last chunk
             if rest:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specula.acceptance import Acceptor
+from specula.draft_budget import DraftBudget
 from specula.drafters.base import Drafter
 from specula.errors import SpeculaError
 from specula.runtime.compiled_step import WARM_UP_BLOCK
@@ -89,11 +90,14 @@ class Sequence:
     `advance` takes the target's output for that block, accepts, commits, and returns the new tokens.
     Between the two the caller runs the forward: `stream_tokens` alone, a batched engine packed with
     other sequences' blocks (`specula.runtime.packed.forward_packed`). ``target`` is this sequence's own (its KV cache).
+    ``budget`` (`specula.draft_budget.DraftBudget`, shared by every sequence it plans for) caps how deep each cycle
+    drafts and learns from what each cycle's draft won; None drafts as deep as the drafter likes.
     """
 
     def __init__(self, target: Target, drafter: Drafter, prompt: torch.Tensor, max_new_tokens: int,
                  params: SamplingParams, seed: int | None = None, stop_on_eos: bool = True,
-                 acceptor: Acceptor | None = None, stats: GenerationStats | None = None):
+                 acceptor: Acceptor | None = None, stats: GenerationStats | None = None,
+                 budget: DraftBudget | None = None):
         prompt = prompt.to(target.device)
         if prompt.ndim != 1 or prompt.numel() == 0:
             raise SpeculaError("the prompt is empty")
@@ -112,8 +116,11 @@ class Sequence:
         self.stats.prompt_tokens = int(prompt.numel())
         self.context: torch.Tensor | None = None  # prompt + new tokens, once the prompt has run
         self._tree: DraftTree | None = None
+        self.budget = budget
         self.draft_cap: int | None = None  # the depth cap the current draft was pruned to (None: uncapped)
-        self._started = self._proposed = 0.0
+        self._drafted: list[int] = []  # nodes per depth of the draft being verified, for the budget
+        self._probe: int | None = None  # one level past the last cap, when the last draft was accepted whole at it
+        self._started = self._drafting = self._proposed = 0.0
 
     @property
     def done(self) -> bool:
@@ -132,12 +139,14 @@ class Sequence:
         depths = self._tree.depths
         return [depths.count(d) for d in range(1, max(depths) + 1)]
 
-    def block(self, max_depth: int | None = None, kind_depth: Mapping[str, int | None] | None = None) -> Block:
+    def block(self, max_depth: int | None = None, kind_depth: Mapping[str, int | None] | None = None,
+              batch: int = 1) -> Block:
         """The next forward: the whole prompt (from an empty cache) first, then a draft tree no deeper than
         ``max_depth`` (None: as deep as the drafter proposes; 0: the root alone, a plain decoding step), and
         no deeper than ``kind_depth[kind]`` for a draft of a kind listed there (`DraftTree.kind`). The cap that
-        applied is ``draft_cap``."""
-        tick = time.perf_counter()
+        applied is ``draft_cap``. With a ``budget`` and neither cap given, the budget's caps for ``batch``
+        sequences sharing the forward apply."""
+        tick = self._drafting = time.perf_counter()
         if self.context is None:
             self._started = tick
             # The KV cache for this generation in one allocation (it grows on demand past it, e.g. a wide tree),
@@ -153,14 +162,25 @@ class Sequence:
         # needs one cache slot per tree node: the root's and the drafts' (`room`).
         target, stats = self.target, self.stats
         room = target.max_length - target.length
+        probe = None
+        if self.budget is not None and max_depth is None and kind_depth is None:
+            caps = self.budget.caps(batch)
+            max_depth, kind_depth, probe = caps.deepest, caps.by_kind, self._probe
+            if probe is not None and max_depth is not None:
+                max_depth = max(max_depth, probe)
         depth = min(self.max_new_tokens - stats.new_tokens - 1, target.max_length - len(self.context) - 1)
         tree = self.drafter.propose(self.context, depth if max_depth is None else min(depth, max_depth),
                                     self.params, self.generator)
         self.draft_cap = (kind_depth or {}).get(tree.kind, max_depth)
+        if probe is not None and self.draft_cap is not None:
+            # The last draft was accepted whole at its cap: this one may go a level deeper, so that the budget
+            # learns whether the next level pays (a cap hides it: its acceptance is measured only when drafted).
+            self.draft_cap = max(self.draft_cap, probe)
         self._tree = tree.prune(depth if self.draft_cap is None else min(depth, self.draft_cap), room)
         self._proposed = time.perf_counter()
         stats.draft_time += self._proposed - tick
         tree = self._tree
+        self._drafted = self.nodes_per_depth
         return Block(tree.tokens, tree.ancestor_mask(), tree.depths, self.drafter.features)
 
     def advance(self, out: ForwardOutput) -> list[int]:
@@ -181,6 +201,11 @@ class Sequence:
             target.commit(result.accepted_nodes)
             self.drafter.observe(tree.tokens[result.accepted_nodes], out.select(result.accepted_nodes))
             stats.verify_time += time.perf_counter() - self._proposed
+            if self.budget is not None:
+                self.budget.observe(self._drafted, result.accepted_drafts, self._proposed - self._drafting,
+                                    self.draft_cap, tree.kind)
+                cap = self.draft_cap
+                self._probe = cap + 1 if cap and result.accepted_drafts >= cap else None
             new = tree.tokens[result.accepted_nodes[1:]].tolist() + [result.next_token]
             new = _clip(new, self.eos, min(self.max_new_tokens - stats.new_tokens,
                                            target.max_length - len(self.context)))
@@ -201,9 +226,10 @@ class Sequence:
 def stream_tokens(target: Target, drafter: Drafter, prompt: torch.Tensor, max_new_tokens: int,
                   params: SamplingParams, seed: int | None = None, stop_on_eos: bool = True,
                   acceptor: Acceptor | None = None, stats: GenerationStats | None = None,
-                  ) -> Iterator[list[int]]:
-    """Yield the new token ids of each cycle. ``prompt`` is int64 [P]; ``stats`` is filled in as it runs."""
-    sequence = Sequence(target, drafter, prompt, max_new_tokens, params, seed, stop_on_eos, acceptor, stats)
+                  budget: DraftBudget | None = None) -> Iterator[list[int]]:
+    """Yield the new token ids of each cycle. ``prompt`` is int64 [P]; ``stats`` is filled in as it runs; ``budget``
+    caps each cycle's draft (see `Sequence`)."""
+    sequence = Sequence(target, drafter, prompt, max_new_tokens, params, seed, stop_on_eos, acceptor, stats, budget)
     while not sequence.done:
         yield sequence.advance(sequence.block().run(target))
 
@@ -258,11 +284,12 @@ def _stop_reason(new: list[int], eos: set[int], produced: int, max_new_tokens: i
 def generate_tokens(target: Target, drafter: Drafter, prompt: torch.Tensor, max_new_tokens: int,
                     params: SamplingParams, seed: int | None = None, stop_on_eos: bool = True,
                     acceptor: Acceptor | None = None, record_nodes: bool = False,
-                    ) -> tuple[list[int], GenerationStats]:
-    """Run the loop to the end; returns (new token ids, stats). ``record_nodes``: see `GenerationStats`."""
+                    budget: DraftBudget | None = None) -> tuple[list[int], GenerationStats]:
+    """Run the loop to the end; returns (new token ids, stats). ``record_nodes``: see `GenerationStats`; ``budget``:
+    see `Sequence`."""
     stats = GenerationStats(record_nodes=record_nodes)
     tokens: list[int] = []
     for chunk in stream_tokens(target, drafter, prompt, max_new_tokens, params, seed, stop_on_eos,
-                               acceptor, stats):
+                               acceptor, stats, budget):
         tokens.extend(chunk)
     return tokens, stats

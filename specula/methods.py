@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from specula.api import Speculator
+from specula.draft_budget import DRAFT_BUDGETS
 from specula.drafters.ada import build_ada_drafter
 from specula.drafters.answer_corpus import AnswerCorpus, load_answers
 from specula.drafters.base import Drafter
@@ -335,13 +336,15 @@ def profile_options(spec: Method, measured: dict | None, device: str) -> dict:
 def build_speculator(target: str | Path | Target | None = DEFAULT_TARGET, method: str = "vanilla",
                      draft: str | Path | None = None, dtype: str = "auto", device: str = "cpu",
                      max_length: int | None = None, profile: bool | str | Path = True, weights: str = "auto",
-                     compile: bool = False, **options: Any) -> Speculator:
+                     compile: bool = False, draft_budget: str = "auto", **options: Any) -> Speculator:
     """Check everything, then load the target (unless given loaded) and assemble the method.
 
     ``weights``: the format of the target's linear weights (`specula.runtime.weights`: auto, float32, bfloat16,
     int8, int4, q4_1; auto as `specula.runtime.auto_weights` decides it for this machine); heads keep theirs; a
     draft model's is the sps option ``draft_weights``. A loaded target keeps the format it was loaded with.
     ``compile``: run the target's decode and verify steps through `torch.compile` (`Target.compile`).
+    ``draft_budget``: "auto" caps each cycle's draft by this machine's verify cost and the acceptance measured so
+    far, "off" verifies every draft whole (`Speculator`).
 
     ``options``: the method's drafter options (see `METHODS`) and the acceptance options
     (``acceptance``, ``typical_threshold``, ``typical_alpha``). ``profile``: a hardware profile written
@@ -350,6 +353,8 @@ def build_speculator(target: str | Path | Target | None = DEFAULT_TARGET, method
     """
     if target is None:
         target = DEFAULT_TARGET
+    if draft_budget not in DRAFT_BUDGETS:
+        raise SpeculaError(f"draft_budget must be one of {', '.join(DRAFT_BUDGETS)}, got {draft_budget!r}")
     spec = get_method(method)  # looked up once; everything below takes the Method
     acceptance, drafter_options = AcceptanceOptions.split(options)
     given = _coerce(spec, drafter_options)
@@ -376,7 +381,7 @@ def build_speculator(target: str | Path | Target | None = DEFAULT_TARGET, method
     if compile:
         target.compile()
     drafter = spec.build(target, draft_dir, options, dtype)
-    return Speculator(target, method, drafter, acceptance.make())
+    return Speculator(target, method, drafter, acceptance.make(), draft_budget)
 
 
 def load(*args: Any, threads: int | None | str = "auto", **kwargs: Any) -> Speculator:

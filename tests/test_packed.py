@@ -9,11 +9,11 @@ from conftest import LLAMA2XS, REPO, STORIES, STORY_PROMPTS
 
 import specula
 from specula.decoding import Sequence, generate_tokens
+from specula.draft_budget import DraftBudget, parse_budget_table
 from specula.errors import SpeculaError
 from specula.runtime.forward import FeatureRequest
 from specula.runtime.packed import forward_packed
 from specula.sampling import SamplingParams
-from specula.serve.budget import DraftBudget, parse_budget_table
 from specula.tree import DraftTree
 
 NEW_TOKENS = 24

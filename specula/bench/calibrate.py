@@ -112,9 +112,11 @@ def recommended_options(method: str, dynamic: bool, best_gamma: int | None, best
 
 
 def _build(opts: CalibrationOptions, weights: str, compile: bool = False):
-    # The options are measured as given: an existing profile must not change what is being calibrated.
+    # The options are measured as given: an existing profile must not change what is being calibrated, nor a draft
+    # budget cap the drafts whose acceptance is being measured.
     return build_speculator(opts.target, opts.method, opts.draft, dtype=opts.dtype, device=opts.device,
-                            profile=False, weights=weights, compile=compile, **(opts.options or {}))
+                            profile=False, weights=weights, compile=compile, draft_budget="off",
+                            **(opts.options or {}))
 
 
 def _prompt_ids(opts: CalibrationOptions, target) -> list[list[int]]:

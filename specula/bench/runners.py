@@ -203,6 +203,7 @@ class SpeculaRunner:
         # Profile defaults were merged (and recorded) when the spec was made, so none are applied here.
         speculator = build_speculator(target, spec.method, spec.draft, dtype=dtype, profile=False, **spec.options)
         self.drafter, self.acceptor = speculator.drafter, speculator.acceptor
+        self.budget = speculator.budget  # now: a curve measured on first use is not timed with a question
         draft = getattr(self.drafter, "draft", None)
         self.draft_model = draft if isinstance(draft, Target) else None  # a separate model with its own context
 
@@ -213,7 +214,7 @@ class SpeculaRunner:
         _sync(device)
         start = time.perf_counter()
         tokens, stats = generate_tokens(self.target, self.drafter, ids, max_new_tokens, params, seed,
-                                        acceptor=self.acceptor, record_nodes=True)
+                                        acceptor=self.acceptor, record_nodes=True, budget=self.budget)
         _sync(device)
         wall = time.perf_counter() - start
         nodes = analyse_nodes(stats.accepted_lengths, stats.nodes)

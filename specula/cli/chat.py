@@ -7,6 +7,7 @@ import sys
 
 from specula.chat.session import run_chat
 from specula.cli.common import (
+    add_draft_budget_argument,
     add_method_arguments,
     add_model_arguments,
     method_options,
@@ -21,6 +22,7 @@ def add_chat(subparsers: argparse._SubParsersAction) -> None:
                               description="Chat in the terminal: one message per line, answers streamed as "
                                           "they are accepted; /clear forgets the conversation, /exit or Ctrl-D ends.")
     add_model_arguments(p, DEFAULT_TARGET)
+    add_draft_budget_argument(p)
     p.add_argument("--system", metavar="TEXT", help="system message")
     p.add_argument("--max-new-tokens", type=positive_int, default=512, metavar="N",
                    help="longest answer (default: %(default)s)")
@@ -37,7 +39,8 @@ def run_chat_command(args: argparse.Namespace) -> int:
     check_seed(args.seed)
     speculator = build_speculator(args.target, method=args.method, draft=args.draft, dtype=args.dtype,
                                   device=args.device, profile=not args.no_profile, weights=args.weights,
-                                  compile=args.compile, **method_options(args))
+                                  compile=args.compile, draft_budget=args.draft_budget,
+                                  **method_options(args))
     _tolerate_undecodable(sys.stdin)
     return run_chat(speculator, sys.stdin, sys.stdout, system=args.system, max_new_tokens=args.max_new_tokens,
                     temperature=args.temperature, top_p=args.top_p, seed=args.seed)

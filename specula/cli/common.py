@@ -13,6 +13,7 @@ from typing import NoReturn
 
 import torch
 
+from specula.draft_budget import DRAFT_BUDGETS
 from specula.errors import SpeculaError
 from specula.methods import METHODS, all_options, methods_taking
 from specula.openmp import auto_threads, default_threads, set_auto_threads
@@ -142,6 +143,14 @@ COMPILE_HELP = ("compile the target's decode and verify steps with torch.compile
                 "after (~6 s at start); on a CPU with q4_1 weights the eager steps already run every layer from "
                 "C++ (the native decoder stack) as fast as compiled ones (measured): compile for other formats and "
                 "devices")
+
+
+def add_draft_budget_argument(p: argparse.ArgumentParser) -> None:
+    """``--draft-budget`` of one generation at a time (generate, chat; `specula serve` has a table of its own)."""
+    p.add_argument("--draft-budget", choices=DRAFT_BUDGETS, default="auto",
+                   help="auto (the default): each cycle drafts only as deep as pays on this machine, from its "
+                        "verify cost (measured once, ~1 s, cached) and the acceptance measured as it generates; "
+                        "off: verify every draft whole")
 
 
 def add_compile_argument(p: argparse.ArgumentParser, default: bool | None = False) -> None:

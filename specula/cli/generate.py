@@ -9,6 +9,7 @@ from pathlib import Path
 
 from specula.cli.common import (
     PROG,
+    add_draft_budget_argument,
     add_method_arguments,
     add_model_arguments,
     method_options,
@@ -24,6 +25,7 @@ def add_generate(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("generate", help="generate text from a prompt with one decoding method",
                               description="Generate a continuation of a prompt, losslessly accelerated.")
     add_model_arguments(p, DEFAULT_TARGET)
+    add_draft_budget_argument(p)
     p.add_argument("--system", metavar="TEXT", help="system message (models with a chat template)")
     p.add_argument("--raw", action="store_true",
                    help="send the prompt verbatim instead of as a user message through the chat template")
@@ -66,7 +68,8 @@ def run_generate(args: argparse.Namespace) -> int:
     check_seed(args.seed)
     speculator = build_speculator(args.target, method=args.method, draft=args.draft, dtype=args.dtype,
                                   device=args.device, profile=not args.no_profile, weights=args.weights,
-                                  compile=args.compile, **method_options(args))
+                                  compile=args.compile, draft_budget=args.draft_budget,
+                                  **method_options(args))
     # Warn only once loading has accepted the options, so bad input stays a single error line.
     if not speculator.lossless and args.temperature > 0:
         print(f"{PROG}: warning: --acceptance typical is lossy: at temperature > 0 the output is not distributed "

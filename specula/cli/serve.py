@@ -16,13 +16,13 @@ from specula.cli.common import (
     positive_int,
 )
 from specula.decoding import warm_up
+from specula.draft_budget import DEFAULT_MAX_BATCH, parse_budget_table
 from specula.errors import SpeculaError
 from specula.methods import DEFAULT_TARGET, build_speculator
 from specula.runtime.compiled_step import WARM_UP_BLOCK
 from specula.runtime.heap import long_lived_objects_frozen
 from specula.runtime.profile import load_profile
 from specula.serve import BODY_TIMEOUT_S
-from specula.serve.budget import DEFAULT_MAX_BATCH, parse_budget_table
 
 API_KEY_ENV = "SPECULA_API_KEY"
 

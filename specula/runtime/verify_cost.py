@@ -2,7 +2,7 @@
 
 Speculation pays only when the tokens a draft wins outweigh what verifying it costs, and on a CPU a
 forward over k tokens costs more than one over a single token. `specula calibrate` measures the curve
-into the profile, the server measures it when it starts (`specula.serve.budget`), and the bench's theory
+into the profile, the server measures it when it starts (`specula.draft_budget`), and the bench's theory
 (`specula.bench.theory`) predicts speedups from it.
 """
 

@@ -3,8 +3,8 @@
 `create_app` builds the app, `engine` holds the decoding worker behind the `Engine`
 interface, `runner` runs it under uvicorn with a graceful shutdown.
 
-The names below are imported when first used: every `specula` command reads `specula.serve.budget` for its
-options, and importing FastAPI and the app for that alone cost each of them ~17 MiB and ~0.25 s.
+The names below are imported when first used: `specula serve`'s options are read before any of them is needed,
+and importing FastAPI and the app for that alone cost ~17 MiB and ~0.25 s.
 """
 
 from __future__ import annotations

@@ -23,11 +23,11 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from specula.draft_budget import DEFAULT_MAX_BATCH, DraftBudget
 from specula.errors import SpeculaError
 from specula.sampling import SamplingParams, check_seed
 from specula.serve import BODY_TIMEOUT_S
 from specula.serve.body import read_body
-from specula.serve.budget import DEFAULT_MAX_BATCH, DraftBudget
 from specula.serve.engine import BatchedEngine
 from specula.serve.errors import APIError, bad_request
 from specula.serve.metrics import ServerMetrics
@@ -96,7 +96,7 @@ EngineFactory = Callable[[object, ServeSettings, ServerMetrics], Engine]
 
 def batched_engine(speculator, settings: ServeSettings, metrics: ServerMetrics) -> Engine:
     """The default engine: continuous batching, drafts per sequence from the settings' table, from the given
-    verify-cost curve, or (neither) from a curve measured when it starts (`specula.serve.budget`)."""
+    verify-cost curve, or (neither) from a curve measured when it starts (`specula.draft_budget`)."""
     budget = None
     if settings.draft_budget is not None:
         budget = DraftBudget(table=settings.draft_budget, max_batch=settings.max_batch)

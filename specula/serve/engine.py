@@ -9,7 +9,7 @@ thread keeps up to ``max_batch`` sequences going, each in a slot of its own (a
 one packed target forward per cycle for all of them (`specula.runtime.packed`). A request
 joins at the next cycle after a slot frees, and leaves the moment it ends, which
 frees its slot (its cache shrinks back to its first allocation). How many tokens each
-sequence drafts shrinks with the batch (`specula.serve.budget`).
+sequence drafts shrinks with the batch (`specula.draft_budget`).
 
 Threads: `submit` runs on the asyncio loop; the worker posts events back with
 ``loop.call_soon_threadsafe`` onto the request's asyncio queue. Cancelling sets a
@@ -24,17 +24,17 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from specula.decoding import GenerationStats, Sequence
 from specula.detokenize import IncrementalDecoder
+from specula.draft_budget import DEFAULT_MAX_BATCH, MAX_DEPTH, DraftBudget, measured_curve
 from specula.errors import SpeculaError
 from specula.openmp import release_thread_team
 from specula.runtime.packed import forward_packed
 from specula.sampling import SamplingParams
-from specula.serve.budget import DEFAULT_MAX_BATCH, MAX_DEPTH, DraftBudget, measured_curve
 from specula.serve.metrics import ServerMetrics
 from specula.serve.requests import (
     EngineStopped,
@@ -67,10 +67,6 @@ class Running:
     sequence: Sequence
     text: IncrementalDecoder
     stops: StopMatcher
-    drafted: list[int] = field(default_factory=list)  # nodes per depth of the draft this cycle verifies
-    cap: int | None = None  # the depth the budget allowed this cycle
-    kind: str = ""  # the kind of draft this cycle verifies (`DraftTree.kind`)
-    draft_seconds: float = 0.0  # the sequence's drafting time before this cycle
 
     @property
     def stats(self) -> GenerationStats:
@@ -217,7 +213,7 @@ class BatchedEngine:
             params = SamplingParams(request.temperature, 0, request.top_p)
             prompt = torch.tensor(request.prompt_ids, dtype=torch.long)
             sequence = Sequence(slot.target, slot.drafter, prompt, request.max_tokens, params, request.seed,
-                                acceptor=self.speculator.acceptor)
+                                acceptor=self.speculator.acceptor, budget=self.budget)
             running = Running(stream, slot, sequence, IncrementalDecoder(self.speculator.tokenizer),
                               StopMatcher(request.stop))
         except Exception as err:  # this request fails alone; its slot goes back
@@ -238,15 +234,11 @@ class BatchedEngine:
         batch = len(self._running)
         ready, blocks = [], []
         for running in list(self._running):
-            running.draft_seconds = running.stats.draft_time
-            caps = self.budget.caps(batch)
             try:
-                blocks.append(running.sequence.block(caps.deepest, caps.by_kind))
+                blocks.append(running.sequence.block(batch=batch))  # drafted as deep as the budget allows
             except Exception as err:
                 self._end(running, _failure(err))
                 continue
-            running.drafted, running.cap = running.sequence.nodes_per_depth, running.sequence.draft_cap
-            running.kind = running.sequence.draft_kind
             ready.append(running)
         if not ready:
             return
@@ -274,9 +266,6 @@ class BatchedEngine:
         stats, stream = running.stats, running.stream
         if stats.cycles == 1:
             self.metrics.time_to_first_token.observe(time.perf_counter() - stream.submitted)
-        else:
-            self.budget.observe(running.drafted, stats.accepted_lengths[-1], stats.draft_time - running.draft_seconds,
-                                running.cap, running.kind)
         text, stopped = running.stops.push(running.text.push(new))
         if running.sequence.done and not stopped:
             rest, stopped = running.stops.push(running.text.finish())

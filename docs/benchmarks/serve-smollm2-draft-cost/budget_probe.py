@@ -3,7 +3,7 @@ import asyncio, json, sys, time
 import specula
 from specula.serve.engine import BatchedEngine
 from specula.serve.requests import GenerationRequest, Finished, TextDelta
-from specula.serve.budget import DraftBudget, measured_curve
+from specula.draft_budget import DraftBudget, measured_curve
 
 table = sys.argv[1] if len(sys.argv) > 1 else ""
 sp = specula.load(method="suffix", weights="q4_1")

@@ -11,9 +11,10 @@ maximises expected tokens per second for the batch:
 with v the measured verify-cost curve (`specula calibrate`'s, or measured when the server starts), c(d) the
 drafting seconds of a depth-d draft (`DraftCost`: a fixed part and a part per level, fitted to the drafts served),
 n(d) the mean nodes a draft holds down to depth d, and
-τ(d) = 1 + Σ_{i≤d} P(a cycle accepts ≥ i drafts), all measured on the traffic served (acceptance per
-depth i as accepted ≥ i over the cycles whose cap allowed depth i, whatever the drafter then drafted). Before any
-traffic each depth starts at `PRIOR_ACCEPTANCE` with the weight of `PRIOR_CYCLES` cycles, and one
+τ(d) = 1 + Σ_{i≤d} P(a cycle accepts ≥ i drafts), all measured on the traffic served (P(accepted ≥ i) as the
+product of the conditional rates P(depth j accepted | depth j - 1 accepted), j ≤ i, each over the cycles that tested
+depth j: the cap allowed it, whatever the drafter then drafted, and every depth above it was accepted). Before any
+traffic each conditional rate starts at `PRIOR_ACCEPTANCE` with the weight of `PRIOR_CYCLES` cycles, and one
 sequence in about 60 passes drafts uncapped so that depths a cap hides keep being measured (one
 sequence at a time: sixteen uncapped trees at once would double that cycle's cost). A method whose
 drafts do not pay on this machine thus falls back towards plain decoding, at any batch size. Drafts of
@@ -21,16 +22,32 @@ different kinds (`DraftTree.kind`: the suffix drafter's source and match length)
 rates, so each kind also gets its own τ, n and depth, starting from the pooled ones: at four sequences a long
 match in the conversation still pays three levels while a one-token match in the answer corpus pays none. A
 fixed table (``--draft-budget 1:8,4:2,8:0``) replaces all of this.
+
+One generation at a time (`specula.generate`, `specula generate`, `specula bench`) is the same plan at batch size
+1 (`Speculator`'s ``draft_budget="auto"``, the default for every drafting method): its curve is measured once per
+machine, target and weight format (~1 s) and kept in Specula's cache (`cached_curve`). It matters on a machine
+where verification is dear: on a 2-core AVX2 EPYC a forward over 8 tokens costs 2.46 one-token steps (a Zen 4:
+~1.3), and the suffix drafter's 8-node trees lost to plain decoding at T=1 (0.83x) where one node won (1.04x).
 """
 
 from __future__ import annotations
 
+import json
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from specula.errors import SpeculaError
+from specula.files.outputs import atomic_write_json
+from specula.runtime.float32_layout import machine_key
+from specula.runtime.model_source import cache_dir
 from specula.runtime.verify_cost import measure_verify_curve, verify_cost
 
+log = logging.getLogger(__name__)
+CURVE_FILE = "verify-curves.json"  # in Specula's cache: {machine, target and format: {n: seconds}}
+CURVE_REPEATS = 5  # timed rounds of a cached curve: measured once per machine, so worth a steadier median
+
+DRAFT_BUDGETS = ("auto", "off")  # a Speculator's: caps from the measured curve and acceptance, or none
 DEFAULT_MAX_BATCH = 16  # sequences per packed forward: SmolLM2 q4_1 151 tok/s at 16 vs 134 at 8, 164 at 32 (2x latency)
 PRIOR_ACCEPTANCE = 0.5  # P(depth i accepted | depth i-1 accepted) before any traffic
 PRIOR_CYCLES = 4  # how many cycles' weight that prior carries
@@ -67,29 +84,44 @@ class DepthCaps:
 
 
 class _Acceptance:
-    """Per depth i (index i-1), as served: cycles whose cap allowed that depth, those that accepted that deep,
-    and the draft nodes there."""
+    """Per depth i (index i-1), as served: the cycles that tested depth i (the cap allowed it and every depth above
+    was accepted), those that accepted it too, and the draft nodes there per cycle whose cap allowed it.
+
+    Acceptance is kept as these conditional rates, P(depth i accepted | depth i - 1 accepted), so that a cycle whose
+    cap cut its draft says nothing of the depths below the cap: counted as a failure there (as P(accepted >= i) over
+    the cycles allowing depth i was), a draft capped at one level and accepted whole every time still looked no
+    better at two levels than the prior, so it was never drafted two deep again (the 1-deep cap held a repeating
+    poem at tau 1.08, 75 tokens/s, where the uncapped suffix drafter ran 179).
+    """
 
     def __init__(self, prior: list[float]):
-        self.drafted = [float(PRIOR_CYCLES)] * MAX_DEPTH
-        self.accepted = [PRIOR_CYCLES * p for p in prior]
+        self.tested = [float(PRIOR_CYCLES)] * MAX_DEPTH
+        self.passed = [PRIOR_CYCLES * p for p in prior]
+        self.allowed = [float(PRIOR_CYCLES)] * MAX_DEPTH
         self.nodes = [float(PRIOR_CYCLES)] * MAX_DEPTH
 
     def observe(self, nodes_per_depth: Sequence[int], accepted: int, allowed: int) -> None:
         depth = min(len(nodes_per_depth), MAX_DEPTH)
         for i in range(allowed):
-            self.drafted[i] += 1
-            self.accepted[i] += accepted > i
+            self.allowed[i] += 1
             self.nodes[i] += nodes_per_depth[i] if i < depth else 0
+        for i in range(min(allowed, accepted + 1)):
+            self.tested[i] += 1
+            self.passed[i] += accepted > i
 
     def rates(self) -> list[float]:
-        return [a / d for a, d in zip(self.accepted, self.drafted, strict=True)]
+        """P(depth i accepted | depth i - 1 accepted) for i = 1, 2, …"""
+        return [p / t for p, t in zip(self.passed, self.tested, strict=True)]
 
     def tau(self, depth: int) -> float:
-        return 1.0 + sum(self.accepted[i] / self.drafted[i] for i in range(min(depth, MAX_DEPTH)))
+        tau, reach = 1.0, 1.0
+        for rate in self.rates()[:min(depth, MAX_DEPTH)]:
+            reach *= rate
+            tau += reach
+        return tau
 
     def draft_nodes(self, depth: int) -> float:
-        return sum(self.nodes[i] / self.drafted[i] for i in range(min(depth, MAX_DEPTH)))
+        return sum(self.nodes[i] / self.allowed[i] for i in range(min(depth, MAX_DEPTH)))
 
 
 class DraftCost:
@@ -143,7 +175,7 @@ class DraftBudget:
         self.curve = dict(curve or {})
         self.table = dict(sorted(table.items())) if table else None
         self.max_batch = max_batch
-        self.pooled = _Acceptance([PRIOR_ACCEPTANCE ** (i + 1) for i in range(MAX_DEPTH)])
+        self.pooled = _Acceptance([PRIOR_ACCEPTANCE] * MAX_DEPTH)
         self.kinds: dict[str, _Acceptance] = {}
         self.deepest = 0  # the deepest draft seen: the drafter's own depth
         self.draft_cost = DraftCost()
@@ -216,7 +248,7 @@ class DraftBudget:
                 for b in range(1, (max_batch or self.max_batch) + 1)}
 
 
-def measured_curve(target, max_batch: int) -> dict[int, float]:
+def measured_curve(target, max_batch: int, repeats: int = 2) -> dict[int, float]:
     """Seconds of one target forward over n tokens, n = 1, 2, 4, … up to 16 per sequence at ``max_batch``,
     measured now on the loaded target (a few seconds on SmolLM2), for the draft budget."""
     sizes, n = [], 1
@@ -225,4 +257,35 @@ def measured_curve(target, max_batch: int) -> dict[int, float]:
         n *= 2
     prefix = [i % max(2, target.vocab_size) for i in range(64)]
     # On a fork: packed batches run eager, and a compiled target would compile every size measured here.
-    return measure_verify_curve(target.fork(), prefix, sizes, repeats=2)
+    return measure_verify_curve(target.fork(), prefix, sizes, repeats=repeats)
+
+
+def curve_key(target) -> str:
+    """What a verify-cost curve depends on: the machine (CPU, vector ISA, torch, threads), device, target and format."""
+    return f"{machine_key()} | {target.device} | {target.name} | {target.weights} | {target.dtype}"
+
+
+def cached_curve(target) -> dict[int, float]:
+    """The verify-cost curve of one sequence (n = 1 … 16) for ``target`` on this machine: read from Specula's cache,
+    else measured now (about a second on SmolLM2 in q4_1) and kept there. A cache file that cannot be read is
+    measured over and rewritten, never trusted half."""
+    path, key = cache_dir() / CURVE_FILE, curve_key(target)
+    try:
+        curves = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(curves, dict):
+            curves = {}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        curves = {}
+    try:
+        curve = {int(n): float(t) for n, t in curves[key].items()}
+        if curve and all(t > 0 for t in curve.values()):
+            return curve
+    except (KeyError, AttributeError, TypeError, ValueError):
+        pass
+    curve = measured_curve(target, 1, repeats=CURVE_REPEATS)
+    curves[key] = {str(n): t for n, t in curve.items()}
+    try:
+        atomic_write_json(path, curves)
+    except OSError as err:  # a read-only cache costs a second a process, not the generation
+        log.warning("could not keep the verify-cost curve in %s: %s", path, err)
+    return curve

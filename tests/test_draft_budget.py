@@ -1,0 +1,180 @@
+"""The draft budget of one generation at a time (`Speculator`'s ``draft_budget="auto"``): each cycle drafts only as
+deep as pays on this machine, the output stays the target's, and the verify-cost curve it plans with is measured once
+and cached."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+import torch
+from conftest import STORIES, STORY_PROMPTS
+from test_lossless_sampling import (
+    ALPHA,
+    E2E_PARAMS,
+    N_E2E,
+    PLD_PROMPT,
+    accept_bonus_from_unmodified_p,
+    exact_sequence_distribution,
+    fit_pvalues,
+)
+
+import specula
+import specula.draft_budget as draft_budget
+from specula.cli import main
+from specula.decoding import Sequence, generate_tokens
+from specula.draft_budget import CURVE_FILE, DraftBudget, cached_curve
+from specula.drafters.suffix import SuffixDrafter
+from specula.errors import SpeculaError
+from specula.runtime.forward import FeatureRequest
+from specula.runtime.target import Target
+from specula.sampling import SamplingParams
+from specula.tree import DraftTree
+
+NEW_TOKENS = 32
+# A CPU-like curve on which a second draft level pays only when it is accepted often.
+CURVE = {1: 1.0, 2: 1.05, 4: 1.5, 8: 2.5, 16: 4.5}
+
+
+@pytest.mark.parametrize("method", ["pld", "suffix"])
+def test_the_budgeted_greedy_output_is_the_uncapped_output(method):
+    budgeted = specula.load(STORIES, method=method, dtype="float32", profile=False)
+    uncapped = specula.load(STORIES, method=method, dtype="float32", profile=False, draft_budget="off")
+    assert budgeted.budget is not None and uncapped.budget is None
+    for prompt in STORY_PROMPTS[:3]:
+        assert budgeted.generate(prompt, NEW_TOKENS, raw=True).token_ids == \
+            uncapped.generate(prompt, NEW_TOKENS, raw=True).token_ids
+    assert budgeted.budget.deepest > 0  # it planned from drafts it saw
+
+
+def test_sampling_under_an_adaptive_budget_keeps_the_target_distribution():
+    """Each run's caps depend on the runs before it (what the budget learned, the probe after a whole acceptance),
+    never on the current cycle's coins, so every run is still a draw from the target's distribution. The control,
+    the same runs with the textbook residual bug, must fail: the test has the power to see a lossy acceptor. (On a
+    curve where a second level costs more, the budget keeps these drafts one deep and the bug, which shows after a
+    rejection at depth 2, stays out of sight of 800 runs: p 0.38.)"""
+    target = Target.load(STORIES, dtype="float32")
+    prompt = torch.tensor(target.tokenizer(PLD_PROMPT)["input_ids"], dtype=torch.long)
+    exact = exact_sequence_distribution(target, prompt, E2E_PARAMS, 4)
+    flat = {1: 1.0, 2: 1.0, 4: 1.0, 8: 1.2, 16: 2.0}  # verifying up to 4 tokens costs one step
+    for acceptor, lossless in ((None, True), (accept_bonus_from_unmodified_p, False)):
+        budget, counts, sizes = DraftBudget(flat, max_batch=1), Counter(), Counter()
+        for seed in range(N_E2E):
+            tokens, stats = generate_tokens(target, SuffixDrafter(max_match=8), prompt, 4, E2E_PARAMS, seed=seed,
+                                            stop_on_eos=False, acceptor=acceptor, budget=budget)
+            counts[tuple(tokens)] += 1
+            sizes.update(stats.tree_sizes)
+        assert sizes[1] and sizes[2], sizes  # drafts of one node and of two were judged
+        assert (min(fit_pvalues(counts, exact, 4).values()) >= ALPHA) == lossless
+
+
+def test_greedy_output_with_the_budget_equals_vanilla():
+    vanilla = specula.load(STORIES, method="vanilla", dtype="float32", profile=False)
+    assert vanilla.budget is None  # plain decoding has nothing to cap
+    budgeted = specula.load(STORIES, method="suffix", dtype="float32", profile=False)
+    for prompt in STORY_PROMPTS[:4]:
+        assert budgeted.generate(prompt, NEW_TOKENS, raw=True).token_ids == \
+            vanilla.generate(prompt, NEW_TOKENS, raw=True).token_ids
+
+
+def test_a_draft_capped_and_accepted_whole_does_not_hide_the_next_level():
+    """A cycle capped at one level says nothing of the second: counted as a miss there, a draft accepted whole at its
+    cap every time never looked worth a second level, and a repeating answer stayed at τ ≈ 1.1."""
+    budget = DraftBudget(CURVE, max_batch=1)
+    for _ in range(200):
+        budget.observe([1] * 8, 1, 0.0, cap=1)  # capped at 1, accepted whole
+    assert budget.served_tau(1) > 1.9
+    assert budget.best_depth(1) is None or budget.best_depth(1) >= 2
+
+
+def test_a_draft_rarely_accepted_is_capped_at_one_sequence():
+    budget = DraftBudget(CURVE, max_batch=1)
+    for i in range(200):
+        budget.observe([1] * 8, 1 if i % 10 == 0 else 0, 0.0)  # uncapped 8-token chains, 10 % first-token accepted
+    assert budget.best_depth(1) in (0, 1)
+
+
+class GreedyOracle:
+    """Proposes the target's own greedy continuation (known in advance) as a chain as deep as allowed."""
+
+    features = FeatureRequest()
+
+    def __init__(self, continuation: list[int], prompt_length: int):
+        self.continuation, self.prompt_length = continuation, prompt_length
+
+    def start(self, prompt, target_out):
+        pass
+
+    def propose(self, context, max_depth, params, generator):
+        done = len(context) - self.prompt_length  # tokens already generated (the root is the last of them)
+        return DraftTree.chain(int(context[-1]), self.continuation[done:done + max(0, max_depth)])
+
+    def observe(self, accepted, target_out):
+        pass
+
+    def fork(self):
+        return self
+
+
+def test_a_draft_accepted_whole_at_its_cap_is_followed_by_one_a_level_deeper():
+    speculator = specula.load(STORIES, method="vanilla", dtype="float32", profile=False)
+    prompt = speculator.encode(STORY_PROMPTS[0], raw=True)
+    greedy, _ = generate_tokens(speculator.target, speculator.drafter, prompt, NEW_TOKENS, SamplingParams(),
+                                stop_on_eos=False)
+    sequence = Sequence(speculator.target, GreedyOracle(greedy, len(prompt)), prompt, NEW_TOKENS, SamplingParams(),
+                        stop_on_eos=False, budget=DraftBudget(table={1: 1}))
+    out = sequence.advance(sequence.block().run(speculator.target))
+    drafted = []
+    while not sequence.done:
+        block = sequence.block()
+        drafted.append(len(block.tokens) - 1)
+        out += sequence.advance(block.run(speculator.target))
+    assert out == greedy
+    assert drafted[:4] == [1, 2, 3, 4]  # the table says 1; each whole acceptance allows one level more
+
+
+def test_the_verify_cost_curve_is_measured_once_and_kept(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECULA_CACHE_DIR", str(tmp_path))
+    target = specula.load(STORIES, dtype="float32", profile=False).target
+    measured = []
+    real = draft_budget.measured_curve
+    monkeypatch.setattr(draft_budget, "measured_curve", lambda *a, **k: measured.append(1) or real(*a, **k))
+    first = cached_curve(target)
+    assert sorted(first) == [1, 2, 4, 8, 16] and all(t > 0 for t in first.values())
+    assert cached_curve(target) == first and len(measured) == 1  # the second time from the cache
+    (tmp_path / CURVE_FILE).write_text("{not json")
+    assert cached_curve(target) and len(measured) == 2  # a damaged file is measured over...
+    assert json.loads((tmp_path / CURVE_FILE).read_text())  # ...and rewritten whole
+    target.weights = "int8"  # another format is another curve
+    cached_curve(target)
+    assert len(measured) == 3 and len(json.loads((tmp_path / CURVE_FILE).read_text())) == 2
+
+
+def test_an_unknown_draft_budget_is_refused_before_loading():
+    with pytest.raises(SpeculaError, match="draft_budget"):
+        specula.load("/nonexistent/model", method="suffix", draft_budget="sometimes")
+
+
+def test_the_command_line_refuses_an_unknown_draft_budget(capsys):
+    assert main(["generate", "--prompt", "Hi", "--draft-budget", "sometimes"]) == 2
+    assert "--draft-budget" in capsys.readouterr().err
+
+
+def test_a_bench_label_may_turn_the_budget_off():
+    from specula.bench.config import method_specs
+
+    spec, = method_specs(["s"], {"s": {"method": "suffix", "draft_budget": "off"}})
+    assert spec.options["draft_budget"] == "off"
+    with pytest.raises(SpeculaError, match="draft_budget"):
+        method_specs(["s"], {"s": {"method": "suffix", "draft_budget": "never"}})
+
+
+def test_measuring_the_curve_leaves_the_loaded_targets_cache_as_it_was(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECULA_CACHE_DIR", str(tmp_path))  # nothing cached: measured now
+    speculator = specula.load(STORIES, method="suffix", dtype="float32", profile=False)
+    target = speculator.target
+    target.prefill(torch.tensor([1, 2, 3]))
+    target.commit()
+    assert speculator.budget is not None and (tmp_path / CURVE_FILE).is_file()
+    assert target.length == 3
