@@ -16,7 +16,7 @@ from specula.acceptance import Acceptor
 from specula.chat.template import chat_ids
 from specula.decoding import GenerationStats, stream_tokens
 from specula.detokenize import IncrementalDecoder
-from specula.draft_budget import DRAFT_BUDGETS, DraftBudget, cached_curve
+from specula.draft_budget import DraftBudget, cached_curve, check_draft_budget
 from specula.drafters.base import Drafter
 from specula.errors import SpeculaError
 from specula.openmp import release_thread_team
@@ -51,8 +51,7 @@ class Speculator:
 
     def __init__(self, target: Target, method: str, drafter: Drafter, acceptor: Acceptor | None = None,
                  draft_budget: str = "off"):
-        if draft_budget not in DRAFT_BUDGETS:
-            raise SpeculaError(f"draft_budget must be one of {', '.join(DRAFT_BUDGETS)}, got {draft_budget!r}")
+        check_draft_budget(draft_budget)
         self.target = target
         self.method = method
         self.drafter = drafter

@@ -60,6 +60,13 @@ REPLAN_EVERY = 32  # cycles observed between two plans
 MAX_DEPTH = 32  # depths tracked
 
 
+def check_draft_budget(value: object, where: str = "") -> str:
+    """``value`` if it names a Speculator's draft budget (`DRAFT_BUDGETS`), else a SpeculaError (``where`` first)."""
+    if not isinstance(value, str) or value not in DRAFT_BUDGETS:
+        raise SpeculaError(f"{where}draft_budget must be one of {', '.join(DRAFT_BUDGETS)}, got {value!r}")
+    return value
+
+
 def parse_budget_table(text: str) -> dict[int, int]:
     """``"1:8,4:2,8:0"`` → {1: 8, 4: 2, 8: 0}: from batch size 4 on, drafts at most 2 deep, and so on."""
     table = {}

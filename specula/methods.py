@@ -1,14 +1,12 @@
 """The method registry: the one place that knows what a decoding method is.
 
-Each entry of `METHODS` names a method, the options it takes (an `OptionSpec`
-each: type, range, command-line flag, help), whether it needs a draft model or
-head, and the function that builds its drafter. `build_speculator` is the only
-assembler of a `Speculator`: it checks the method and every option *before*
-any model loads, finds the draft (or the bundled head for a known target),
-loads the target, applies the hardware profile's defaults under the options
-given, and builds the drafter and the acceptance rule. `specula.load`, the
-command line, `bench`, `calibrate` and `check` all come through here, so an
-option means the same thing everywhere and is checked the same way.
+Each entry of `METHODS` names a method, the options it takes (an `OptionSpec` each: type, range, command-line
+flag, help), whether it needs a draft model or head, and the function that builds its drafter. `build_speculator`
+is the only assembler of a `Speculator`: it checks the method and every option *before* any model loads, finds the
+draft (or the bundled head for a known target), loads the target, applies the hardware profile's defaults under the
+options given, and builds the drafter and the acceptance rule. `specula.load`, the command line, `bench`,
+`calibrate` and `check` all come through here, so an option means the same thing everywhere and is checked the
+same way.
 
 Adding a method: one drafter file in `specula/drafters/` and one `Method` entry below.
 """
@@ -24,7 +22,7 @@ from typing import Any
 import torch
 
 from specula.api import Speculator
-from specula.draft_budget import DRAFT_BUDGETS
+from specula.draft_budget import check_draft_budget
 from specula.drafters.ada import build_ada_drafter
 from specula.drafters.answer_corpus import AnswerCorpus, load_answers
 from specula.drafters.base import Drafter
@@ -339,22 +337,18 @@ def build_speculator(target: str | Path | Target | None = DEFAULT_TARGET, method
                      compile: bool = False, draft_budget: str = "auto", **options: Any) -> Speculator:
     """Check everything, then load the target (unless given loaded) and assemble the method.
 
-    ``weights``: the format of the target's linear weights (`specula.runtime.weights`: auto, float32, bfloat16,
-    int8, int4, q4_1; auto as `specula.runtime.auto_weights` decides it for this machine); heads keep theirs; a
-    draft model's is the sps option ``draft_weights``. A loaded target keeps the format it was loaded with.
-    ``compile``: run the target's decode and verify steps through `torch.compile` (`Target.compile`).
-    ``draft_budget``: "auto" caps each cycle's draft by this machine's verify cost and the acceptance measured so
-    far, "off" verifies every draft whole (`Speculator`).
-
-    ``options``: the method's drafter options (see `METHODS`) and the acceptance options
-    (``acceptance``, ``typical_threshold``, ``typical_alpha``). ``profile``: a hardware profile written
-    by `specula calibrate` supplies drafter options not given (True: the default location for this
-    target, a path: that file, False: none). ``target`` None is the bundled default.
+    ``weights``: the format of the target's linear weights (`specula.runtime.weights`; auto as
+    `specula.runtime.auto_weights` decides it for this machine); heads keep theirs; a draft model's is the sps option
+    ``draft_weights``. A loaded target keeps its format. ``compile``: run the target's decode and verify steps
+    through `torch.compile` (`Target.compile`). ``draft_budget``: "auto" or "off" (`Speculator`). ``options``: the
+    method's drafter options (see `METHODS`) and the acceptance options (``acceptance``, ``typical_threshold``,
+    ``typical_alpha``). ``profile``: a hardware profile written by `specula calibrate` supplies drafter options not
+    given (True: the default location for this target, a path: that file, False: none). ``target`` None is the
+    bundled default.
     """
     if target is None:
         target = DEFAULT_TARGET
-    if draft_budget not in DRAFT_BUDGETS:
-        raise SpeculaError(f"draft_budget must be one of {', '.join(DRAFT_BUDGETS)}, got {draft_budget!r}")
+    check_draft_budget(draft_budget)
     spec = get_method(method)  # looked up once; everything below takes the Method
     acceptance, drafter_options = AcceptanceOptions.split(options)
     given = _coerce(spec, drafter_options)

@@ -219,7 +219,7 @@ def test_training_loss_falls(eagle3_head_dir):
 @pytest.mark.parametrize("prompt", STORY_PROMPTS[16:19])
 def test_eagle3_greedy_equals_transformers_generate(eagle3_head_dir, prompt):
     speculator = specula.load(STORIES, method="eagle3", draft=eagle3_head_dir, dtype="float32",
-                              total_tokens=8, depth=6, top_k=3)
+                              total_tokens=8, depth=6, top_k=3, draft_budget="off")  # every tree verified whole
     ids = speculator.encode(prompt)
     result = speculator.generate(ids, max_new_tokens=48, stop_on_eos=False)
     expected = transformers_model(speculator.target.model).generate(ids[None], max_new_tokens=48, do_sample=False,
@@ -359,7 +359,7 @@ def test_a_compiled_tree_level_computes_what_the_eager_level_computes(stories_ta
 @pytest.mark.parametrize("budget", [{}, {"total_tokens": 6, "depth": 3, "top_k": 2}], ids=["one-node", "grown"])
 def test_eagle3_on_a_compiled_target_drafts_compiled_and_decodes_what_transformers_decodes(eagle3_head_dir, budget):
     speculator = specula.load(STORIES, method="eagle3", draft=eagle3_head_dir, dtype="float32", compile=True,
-                              profile=False, head_only=True, **budget)
+                              profile=False, head_only=True, draft_budget="off", **budget)
     from torch._dynamo.utils import counters
 
     from specula.decoding import warm_up

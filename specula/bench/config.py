@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from specula.bench.llamacpp_options import LLAMACPP_METHODS, check_llamacpp_options
-from specula.draft_budget import DRAFT_BUDGETS
+from specula.draft_budget import check_draft_budget
 from specula.errors import SpeculaError
 from specula.methods import METHODS, check_options
 from specula.options import AcceptanceOptions, OptionSpec
@@ -214,8 +214,8 @@ def checked_options(label: str, method: str, table: dict, defaults: dict) -> dic
     acceptance, drafter_options = AcceptanceOptions.split(table)
     where = f"method {label}: " if label != method else ""
     budget = drafter_options.pop("draft_budget", None)  # the Speculator's, not the drafter's (`build_speculator`)
-    if budget is not None and budget not in DRAFT_BUDGETS:
-        raise SpeculaError(f"{where}draft_budget must be one of {', '.join(DRAFT_BUDGETS)}, got {budget!r}")
+    if budget is not None:
+        check_draft_budget(budget, where)
     usable = {k: v for k, v in defaults.items() if METHODS[method].takes(k)}
     options = {**check_options(method, usable, "hardware profile: "), **check_options(method, drafter_options, where)}
     METHODS[method].check(options)

@@ -34,6 +34,7 @@ The exact probabilities are computed once per distinct prefix, as token trees on
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from pathlib import Path
@@ -124,6 +125,10 @@ def check(target: str | Path | None = None, method: str = "vanilla", draft: str 
                                       dtype=dtype, device=device, **options)
 
     vanilla = Speculator(speculator.target, "vanilla", VanillaDrafter())
+    # Drafts verified whole, as the sampled runs verify them: a draft budget only chooses how deep to draft (proven
+    # lossless in tests/test_draft_budget.py), and one that finds drafting unprofitable would leave nothing to check.
+    speculator = copy.copy(speculator)
+    speculator.draft_budget = "off"
     greedy_ids = [encode_prompt(speculator, t, max_new_tokens) for t in texts[:n]]
     greedy = check_greedy(speculator, vanilla, greedy_ids, max_new_tokens)
     sampling, lossy = None, None
