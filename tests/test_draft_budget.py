@@ -88,6 +88,21 @@ def test_a_draft_capped_and_accepted_whole_does_not_hide_the_next_level():
     assert budget.best_depth(1) is None or budget.best_depth(1) >= 2
 
 
+def test_a_kind_first_seen_when_drafts_did_not_pay_still_drafts_until_it_has_data_of_its_own():
+    """Planned from the pooled estimate alone, a kind first met after many rejected drafts was capped at 0 and, never
+    drafting, never learned that it is accepted almost always (a repeating poem at τ 1.11)."""
+    budget = DraftBudget({1: 1.0, 2: 1.5, 4: 2.0, 8: 3.0, 16: 5.0}, max_batch=1)  # a second token costs half a step
+    for _ in range(64):
+        budget.observe([1] * 8, 0, 0.0, kind="short match")  # nothing accepted: drafting does not pay
+    budget.observe([1] * 8, 8, 0.0, cap=None, kind="long match")
+    budget._plans.clear()  # plan now, not at the next replanning
+    assert budget.best_depth(1, "long match") == 0  # the pool's estimate alone says do not draft
+    assert budget.caps(1).by_kind["long match"] >= 1  # but it drafts, to learn
+    for _ in range(40):
+        budget.observe([1] * 8, 1, 0.0, cap=1, kind="long match")  # accepted whole at its cap each time
+    assert budget.best_depth(1, "long match") != 0
+
+
 def test_a_draft_rarely_accepted_is_capped_at_one_sequence():
     budget = DraftBudget(CURVE, max_batch=1)
     for i in range(200):
