@@ -9,4 +9,4 @@ T=${1:-1}
   --option suffix-off.method=suffix --option suffix-off.draft_budget=off \
   --option suffix-n1.method=suffix --option suffix-n1.num_tokens=1 --option suffix-n1.draft_budget=off \
   --option eagle3-off.method=eagle3 --option eagle3-off.draft_budget=off \
-  --out "docs/benchmarks/smollm2-draft-budget-avx2/t$T"
+  --out "docs/benchmarks/smollm2-draft-budget-avx2/t$T-$(git rev-parse --short HEAD)"
