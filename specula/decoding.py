@@ -119,8 +119,9 @@ class Sequence:
         self.budget = budget
         self.draft_cap: int | None = None  # the depth cap the current draft was pruned to (None: uncapped)
         self._drafted: list[int] = []  # nodes per depth of the draft being verified, for the budget
+        self._draft_seconds = 0.0  # the time its proposal took, for the budget
         self._probe: int | None = None  # one level past the last cap, when the last draft was accepted whole at it
-        self._started = self._drafting = self._proposed = 0.0
+        self._started = self._proposed = 0.0
 
     @property
     def done(self) -> bool:
@@ -146,7 +147,7 @@ class Sequence:
         no deeper than ``kind_depth[kind]`` for a draft of a kind listed there (`DraftTree.kind`). The cap that
         applied is ``draft_cap``. With a ``budget`` and neither cap given, the budget's caps for ``batch``
         sequences sharing the forward apply."""
-        tick = self._drafting = time.perf_counter()
+        tick = time.perf_counter()
         if self.context is None:
             self._started = tick
             # The KV cache for this generation in one allocation (it grows on demand past it, e.g. a wide tree),
@@ -178,9 +179,11 @@ class Sequence:
             self.draft_cap = max(self.draft_cap, probe)
         self._tree = tree.prune(depth if self.draft_cap is None else min(depth, self.draft_cap), room)
         self._proposed = time.perf_counter()
-        stats.draft_time += self._proposed - tick
+        self._draft_seconds = self._proposed - tick
+        stats.draft_time += self._draft_seconds
         tree = self._tree
-        self._drafted = self.nodes_per_depth
+        if self.budget is not None:
+            self._drafted = self.nodes_per_depth
         return Block(tree.tokens, tree.ancestor_mask(), tree.depths, self.drafter.features)
 
     def advance(self, out: ForwardOutput) -> list[int]:
@@ -202,8 +205,8 @@ class Sequence:
             self.drafter.observe(tree.tokens[result.accepted_nodes], out.select(result.accepted_nodes))
             stats.verify_time += time.perf_counter() - self._proposed
             if self.budget is not None:
-                self.budget.observe(self._drafted, result.accepted_drafts, self._proposed - self._drafting,
-                                    self.draft_cap, tree.kind)
+                self.budget.observe(self._drafted, result.accepted_drafts, self._draft_seconds, self.draft_cap,
+                                    tree.kind)
                 cap = self.draft_cap
                 self._probe = cap + 1 if cap and result.accepted_drafts >= cap else None
             new = tree.tokens[result.accepted_nodes[1:]].tolist() + [result.next_token]
