@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specula.acceptance import Acceptor
-from specula.draft_budget import DraftBudget
+from specula.draft_budget import DepthCaps, DraftBudget
 from specula.drafters.base import Drafter
 from specula.errors import SpeculaError
 from specula.runtime.compiled_step import WARM_UP_BLOCK
@@ -118,6 +118,7 @@ class Sequence:
         self._tree: DraftTree | None = None
         self.budget = budget
         self.draft_cap: int | None = None  # the depth cap the current draft was pruned to (None: uncapped)
+        self.draft_chain_only = False  # whether it was pruned to its main chain too
         self._drafted: list[int] = []  # nodes per depth of the draft being verified, for the budget
         self._draft_seconds = 0.0  # the time its proposal took, for the budget
         self._probe: int | None = None  # one level past the last cap, when the last draft was accepted whole at it
@@ -146,7 +147,7 @@ class Sequence:
         ``max_depth`` (None: as deep as the drafter proposes; 0: the root alone, a plain decoding step), and
         no deeper than ``kind_depth[kind]`` for a draft of a kind listed there (`DraftTree.kind`). The cap that
         applied is ``draft_cap``. With a ``budget`` and neither cap given, the budget's caps for ``batch``
-        sequences sharing the forward apply."""
+        sequences sharing the forward apply, which may also keep only the draft's main chain (``draft_chain_only``)."""
         tick = time.perf_counter()
         if self.context is None:
             self._started = tick
@@ -163,21 +164,20 @@ class Sequence:
         # needs one cache slot per tree node: the root's and the drafts' (`room`).
         target, stats = self.target, self.stats
         room = target.max_length - target.length
-        probe = None
+        caps, probe = DepthCaps(max_depth, dict(kind_depth or {})), None
         if self.budget is not None and max_depth is None and kind_depth is None:
-            caps = self.budget.caps(batch)
-            max_depth, kind_depth, probe = caps.deepest, caps.by_kind, self._probe
-            if probe is not None and max_depth is not None:
-                max_depth = max(max_depth, probe)
+            caps, probe = self.budget.caps(batch), self._probe
+        max_depth = caps.deepest if probe is None or caps.deepest is None else max(caps.deepest, probe)
         depth = min(self.max_new_tokens - stats.new_tokens - 1, target.max_length - len(self.context) - 1)
         tree = self.drafter.propose(self.context, depth if max_depth is None else min(depth, max_depth),
                                     self.params, self.generator)
-        self.draft_cap = (kind_depth or {}).get(tree.kind, max_depth)
+        self.draft_cap, self.draft_chain_only = caps.cap(tree.kind)
         if probe is not None and self.draft_cap is not None:
             # The last draft was accepted whole at its cap: this one may go a level deeper, so that the budget
             # learns whether the next level pays (a cap hides it: its acceptance is measured only when drafted).
             self.draft_cap = max(self.draft_cap, probe)
-        self._tree = tree.prune(depth if self.draft_cap is None else min(depth, self.draft_cap), room)
+        self._tree = tree.prune(depth if self.draft_cap is None else min(depth, self.draft_cap), room,
+                                self.draft_chain_only)
         self._proposed = time.perf_counter()
         self._draft_seconds = self._proposed - tick
         stats.draft_time += self._draft_seconds
@@ -205,8 +205,12 @@ class Sequence:
             self.drafter.observe(tree.tokens[result.accepted_nodes], out.select(result.accepted_nodes))
             stats.verify_time += time.perf_counter() - self._proposed
             if self.budget is not None:
+                chain, path = tree.main_chain(), result.accepted_nodes[1:]
+                on_chain = 0  # the main chain's nodes accepted: how far the accepted path follows it
+                while on_chain < min(len(chain), len(path)) and path[on_chain] == chain[on_chain]:
+                    on_chain += 1
                 self.budget.observe(self._drafted, result.accepted_drafts, self._draft_seconds, self.draft_cap,
-                                    tree.kind)
+                                    tree.kind, (len(chain), on_chain), self.draft_chain_only)
                 cap = self.draft_cap
                 self._probe = cap + 1 if cap and result.accepted_drafts >= cap else None
             new = tree.tokens[result.accepted_nodes[1:]].tolist() + [result.next_token]

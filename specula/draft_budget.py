@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -88,10 +89,18 @@ def parse_budget_table(text: str) -> dict[int, int]:
 @dataclass
 class DepthCaps:
     """What one sequence may draft this cycle: ``deepest`` bounds the proposal (None: as deep as the drafter
-    likes), ``by_kind`` is a tighter cap for drafts of a known kind (`DraftTree.kind`)."""
+    likes), ``by_kind`` is a tighter cap for drafts of a known kind (`DraftTree.kind`), and a draft of a kind in
+    ``chain_kinds`` ("" standing for every kind not in ``by_kind``) keeps only its main chain
+    (`DraftTree.main_chain`): its siblings cost more verification than they win."""
 
     deepest: int | None
     by_kind: dict[str, int | None] = field(default_factory=dict)
+    chain_kinds: frozenset[str] = frozenset()
+
+    def cap(self, kind: str) -> tuple[int | None, bool]:
+        """(depth cap, main chain only) for a draft of ``kind``."""
+        listed = kind in self.by_kind
+        return (self.by_kind[kind] if listed else self.deepest), (kind if listed else "") in self.chain_kinds
 
 
 class _Acceptance:
@@ -122,19 +131,53 @@ class _Acceptance:
             self.tested[i] += 1
             self.passed[i] += accepted > i
 
-    def rates(self) -> list[float]:
-        """P(depth i accepted | depth i - 1 accepted) for i = 1, 2, …"""
-        return [p / t for p, t in zip(self.passed, self.tested, strict=True)]
+    def rates(self, optimistic: bool = False) -> list[float]:
+        """P(depth i accepted | depth i - 1 accepted) for i = 1, 2, …; ``optimistic``: one standard error above
+        (an upper confidence bound), so that a depth measured on few cycles is drafted until it is known not to pay.
+        Planned from the estimates alone, a plan of depth 0 drafted nothing and so learned only from the rare
+        uncapped draft: merged eagle3 at T=0 stayed at tau 1.04 in one run and reached 2.34 in another."""
+        rates = [p / t for p, t in zip(self.passed, self.tested, strict=True)]
+        if not optimistic:
+            return rates
+        return [min(1.0, r + math.sqrt(r * (1 - r) / t)) for r, t in zip(rates, self.tested, strict=True)]
 
-    def tau(self, depth: int) -> float:
+    def tau(self, depth: int, optimistic: bool = False) -> float:
         tau, reach = 1.0, 1.0
-        for rate in self.rates()[:min(depth, MAX_DEPTH)]:
+        for rate in self.rates(optimistic)[:min(depth, MAX_DEPTH)]:
             reach *= rate
             tau += reach
         return tau
 
     def draft_nodes(self, depth: int) -> float:
         return sum(self.nodes[i] / self.allowed[i] for i in range(min(depth, MAX_DEPTH)))
+
+
+class _KindAcceptance:
+    """One kind's acceptance (every kind's, for the pool): of its drafts whole (``tree``) and of their main chains
+    alone (``chain``, `DraftTree.main_chain`). A main chain's node is accepted exactly as often with its siblings
+    beside it as without (the acceptor judges the first child first), so every draft measures its chain, while a
+    draft pruned to its chain says nothing of the whole tree."""
+
+    def __init__(self, tree_prior: list[float], chain_prior: list[float]):
+        self.tree, self.chain = _Acceptance(tree_prior), _Acceptance(chain_prior)
+        self.cycles = 0  # cycles observed
+        self.wider = False  # some draft held more than its main chain
+
+    def observe(self, nodes_per_depth: Sequence[int], accepted: int, allowed: int, chain: tuple[int, int] | None,
+                chain_only: bool) -> None:
+        self.cycles += 1
+        if not chain_only:
+            self.tree.observe(nodes_per_depth, accepted, allowed)
+            self.wider |= chain is None or chain[0] < sum(nodes_per_depth)
+        if chain is not None:
+            self.chain.observe([1] * chain[0], chain[1], allowed)
+
+    def shapes(self) -> list[tuple[_Acceptance, bool]]:
+        """(acceptance, main chain only) of the shapes worth planning: the chain once its drafts were wider and it
+        has `LEARN_CYCLES` cycles of data (before, its prior would compete with the trees' measurements)."""
+        if self.wider and self.chain.cycles >= LEARN_CYCLES:
+            return [(self.tree, False), (self.chain, True)]
+        return [(self.tree, False)]
 
 
 class DraftCost:
@@ -188,8 +231,8 @@ class DraftBudget:
         self.curve = dict(curve or {})
         self.table = dict(sorted(table.items())) if table else None
         self.max_batch = max_batch
-        self.pooled = _Acceptance([PRIOR_ACCEPTANCE] * MAX_DEPTH)
-        self.kinds: dict[str, _Acceptance] = {}
+        self.pooled = _KindAcceptance([PRIOR_ACCEPTANCE] * MAX_DEPTH, [PRIOR_ACCEPTANCE] * MAX_DEPTH)
+        self.kinds: dict[str, _KindAcceptance] = {}
         self.deepest = 0  # the deepest draft seen: the drafter's own depth
         self.draft_cost = DraftCost()
         self._plans: dict[int, DepthCaps] = {}
@@ -197,20 +240,24 @@ class DraftBudget:
         self._until_explore = EXPLORE_EVERY  # sequence-cycles before the next uncapped draft
 
     def observe(self, nodes_per_depth: Sequence[int], accepted: int, draft_seconds: float,
-                cap: int | None = None, kind: str = "") -> None:
+                cap: int | None = None, kind: str = "", chain: tuple[int, int] | None = None,
+                chain_only: bool = False) -> None:
         """One verified cycle of one sequence: its draft's node count at depth 1, 2, …, the drafts accepted, the
-        seconds spent drafting, the depth the budget allowed (None: uncapped) and the draft's kind.
+        seconds spent drafting, the depth the budget allowed (None: uncapped), the draft's kind, its main chain's
+        (length, nodes accepted) (None: the draft is a chain, or unknown) and whether it was pruned to that chain.
 
         Every depth the cap allowed counts, drafted or not: a drafter that drafts deep only when it is sure
         (prompt lookup finding a match, Ada predicting a long run) must not look surer than it is."""
         depth = min(len(nodes_per_depth), MAX_DEPTH)
         self.deepest = max(self.deepest, depth)
         allowed = self.deepest if cap is None else min(cap, self.deepest)
-        self.pooled.observe(nodes_per_depth, accepted, allowed)
+        if chain is None and all(n == 1 for n in nodes_per_depth):
+            chain = (depth, accepted)  # the draft is its own main chain
+        self.pooled.observe(nodes_per_depth, accepted, allowed, chain, chain_only)
         if kind:
             if kind not in self.kinds:
-                self.kinds[kind] = _Acceptance(self.pooled.rates())
-            self.kinds[kind].observe(nodes_per_depth, accepted, allowed)
+                self.kinds[kind] = _KindAcceptance(self.pooled.tree.rates(), self.pooled.chain.rates())
+            self.kinds[kind].observe(nodes_per_depth, accepted, allowed, chain, chain_only)
         if depth:
             self.draft_cost.observe(depth, draft_seconds)
         self._observed += 1
@@ -219,11 +266,11 @@ class DraftBudget:
 
     def served_tau(self, depth: int, kind: str = "") -> float:
         """τ(d): 1 + Σ_{i ≤ d} P(accepted ≥ i), as served so far (for drafts of ``kind``; "": all)."""
-        return self.kinds.get(kind, self.pooled).tau(depth)
+        return self.kinds.get(kind, self.pooled).tree.tau(depth)
 
     def draft_nodes(self, depth: int, kind: str = "") -> float:
         """n(d): mean nodes of a draft down to depth d, as served so far (for drafts of ``kind``; "": all)."""
-        return self.kinds.get(kind, self.pooled).draft_nodes(depth)
+        return self.kinds.get(kind, self.pooled).tree.draft_nodes(depth)
 
     def __call__(self, batch: int) -> int | None:
         return self.caps(batch).deepest
@@ -238,25 +285,35 @@ class DraftBudget:
             self._until_explore = EXPLORE_EVERY * batch + 1
             return DepthCaps(None)
         if batch not in self._plans:
-            by_kind = {kind: self.best_depth(batch, kind) for kind in self.kinds}
-            for kind, depth in by_kind.items():
+            caps = {kind: self.best_cap(batch, kind) for kind in self.kinds}
+            for kind, (depth, chain) in caps.items():
                 if depth == 0 and self.kinds[kind].cycles < LEARN_CYCLES:
-                    by_kind[kind] = 1
-            depths = [self.best_depth(batch), *by_kind.values()]
-            self._plans[batch] = DepthCaps(None if None in depths else max(depths), by_kind)
+                    caps[kind] = (1, chain)
+            caps[""] = self.best_cap(batch)
+            depths = [depth for depth, _ in caps.values()]
+            by_kind = {kind: depth for kind, (depth, _) in caps.items() if kind}
+            chain_kinds = frozenset(kind for kind, (_, chain) in caps.items() if chain)
+            self._plans[batch] = DepthCaps(None if None in depths else max(depths), by_kind, chain_kinds)
         return self._plans[batch]
 
-    def best_depth(self, batch: int, kind: str = "") -> int | None:
-        """The depth with the most expected tokens per second for ``batch`` sequences drafting like drafts of
-        ``kind`` ("": all drafts; None: uncapped)."""
-        acceptance = self.kinds.get(kind, self.pooled)
+    def best_cap(self, batch: int, kind: str = "") -> tuple[int | None, bool]:
+        """(depth, main chain only) with the most expected tokens per second for ``batch`` sequences drafting like
+        drafts of ``kind`` ("": all drafts; depth None: uncapped), each conditional acceptance rate taken one
+        standard error up (`_Acceptance.rates`)."""
+        stats = self.kinds.get(kind, self.pooled)
 
-        def rate(d: int) -> float:
+        def rate(acceptance: _Acceptance, d: int) -> float:
             verify = verify_cost(self.curve, round(batch * (1 + acceptance.draft_nodes(d))))
-            return batch * acceptance.tau(d) / (verify + batch * self.draft_cost(d))
+            return batch * acceptance.tau(d, optimistic=True) / (verify + batch * self.draft_cost(d))
 
-        best = max(range(self.deepest + 1), key=lambda d: (rate(d), -d))
-        return None if best == self.deepest else best
+        options = [(rate(acceptance, d), -d, not chain, d, chain)
+                   for acceptance, chain in stats.shapes() for d in range(self.deepest + 1)]
+        *_, depth, chain = max(options)  # the fastest; of equals the shallowest, whole trees before chains
+        return (None if depth == self.deepest else depth), chain
+
+    def best_depth(self, batch: int, kind: str = "") -> int | None:
+        """The depth of `best_cap` (None: uncapped)."""
+        return self.best_cap(batch, kind)[0]
 
     def plan(self, max_batch: int | None = None, kind: str = "") -> dict[int, int | None]:
         """{batch size: deepest draft} for 1..max_batch as things stand (for inspection and tests)."""

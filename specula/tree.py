@@ -112,12 +112,24 @@ class DraftTree:
             node = self.parents[node]
         return path[::-1]
 
-    def prune(self, max_depth: int, max_nodes: int) -> DraftTree:
-        """Keep the nodes with depth <= max_depth, at most ``max_nodes`` of them (in node order).
+    def main_chain(self) -> list[int]:
+        """The root's first child, that node's first child, and so on (node indices, the root excluded): every
+        drafter lists the likeliest child first (a head's top-k in order, a suffix match's best-first growth)."""
+        chain = [0]
+        for i in range(1, len(self)):
+            if self.parents[i] == chain[-1]:
+                chain.append(i)
+        return chain[1:]
+
+    def prune(self, max_depth: int, max_nodes: int, chain_only: bool = False) -> DraftTree:
+        """Keep the nodes with depth <= max_depth, at most ``max_nodes`` of them (in node order), and only those of
+        the `main_chain` when ``chain_only``.
 
         Node order puts parents first, so the kept set stays a connected tree.
         """
-        keep = [i for i, d in enumerate(self.depths) if d <= max_depth][:max(1, max_nodes)]
+        nodes = [0, *self.main_chain()] if chain_only else range(len(self))
+        depths = self.depths
+        keep = [i for i in nodes if depths[i] <= max_depth][:max(1, max_nodes)]
         if len(keep) == len(self):
             return self
         # Kept nodes are a prefix-closed set: a node's parent is kept before it.

@@ -96,7 +96,7 @@ def test_a_kind_first_seen_when_drafts_did_not_pay_still_drafts_until_it_has_dat
         budget.observe([1] * 8, 0, 0.0, kind="short match")  # nothing accepted: drafting does not pay
     budget.observe([1] * 8, 8, 0.0, cap=None, kind="long match")
     budget._plans.clear()  # plan now, not at the next replanning
-    assert budget.best_depth(1, "long match") == 0  # the pool's estimate alone says do not draft
+    assert budget.best_depth(1) == 0  # the pool's estimate, where the kind's starts, says do not draft
     assert budget.caps(1).by_kind["long match"] >= 1  # but it drafts, to learn
     for _ in range(40):
         budget.observe([1] * 8, 1, 0.0, cap=1, kind="long match")  # accepted whole at its cap each time
@@ -193,3 +193,64 @@ def test_measuring_the_curve_leaves_the_loaded_targets_cache_as_it_was(monkeypat
     target.commit()
     assert speculator.budget is not None and (tmp_path / CURVE_FILE).is_file()
     assert target.length == 3
+
+
+def primed_to_prune_siblings(curve: dict[int, float]) -> DraftBudget:
+    """A budget that saw 200 trees of two nodes a level whose accepted path always ran down the main chain."""
+    budget = DraftBudget(curve, max_batch=1)
+    for i in range(200):
+        accepted = [0, 1, 2, 4][i % 4]
+        budget.observe([2] * 4, accepted, 0.0, chain=(4, accepted))
+    return budget
+
+
+STEEP = {1: 1.0, 2: 1.3, 4: 1.9, 8: 3.0, 16: 5.0}  # every node verified costs
+
+
+def test_siblings_that_never_win_are_pruned_to_the_main_chain():
+    budget = primed_to_prune_siblings(STEEP)
+    assert budget.best_cap(1)[1] and "" in budget.caps(1).chain_kinds
+    siblings_win = DraftBudget(STEEP, max_batch=1)  # the same trees, but half the acceptances ran through a sibling
+    for i in range(200):
+        accepted = [0, 1, 2, 4][i % 4]
+        siblings_win.observe([2] * 4, accepted, 0.0, chain=(4, accepted if i % 8 < 4 else 0))
+    assert not siblings_win.best_cap(1)[1]
+
+
+def test_a_draft_pruned_to_its_main_chain_says_nothing_of_the_whole_tree():
+    budget = primed_to_prune_siblings(STEEP)
+    before = budget.served_tau(4)
+    for _ in range(50):
+        budget.observe([1] * 4, 0, 0.0, chain=(4, 0), chain_only=True)  # the chain rejected: the tree not tried
+    assert budget.served_tau(4) == before
+
+
+class SiblingOracle(GreedyOracle):
+    """The target's greedy continuation as the main chain, each level with a wrong sibling beside it."""
+
+    def propose(self, context, max_depth, params, generator):
+        done = len(context) - self.prompt_length
+        right = self.continuation[done:done + max(0, max_depth)]
+        tokens, parents = [int(context[-1])], [-1]
+        for token in right:
+            parent = len(tokens) - 1 if len(tokens) == 1 else len(tokens) - 2  # the last chain node
+            tokens += [token, (token + 1) % 50]
+            parents += [parent, parent]
+        return DraftTree(torch.tensor(tokens), parents)
+
+
+def test_a_draft_pruned_to_its_main_chain_decodes_the_greedy_text():
+    speculator = specula.load(STORIES, method="vanilla", dtype="float32", profile=False)
+    prompt = speculator.encode(STORY_PROMPTS[0], raw=True)
+    greedy, _ = generate_tokens(speculator.target, speculator.drafter, prompt, NEW_TOKENS, SamplingParams(),
+                                stop_on_eos=False)
+    sequence = Sequence(speculator.target, SiblingOracle(greedy, len(prompt)), prompt, NEW_TOKENS, SamplingParams(),
+                        stop_on_eos=False, budget=primed_to_prune_siblings(STEEP))
+    out = sequence.advance(sequence.block().run(speculator.target))
+    chains = 0
+    while not sequence.done:
+        block = sequence.block()
+        chains += sequence.draft_chain_only and sequence.nodes_per_depth == [1] * (len(block.tokens) - 1)
+        out += sequence.advance(block.run(speculator.target))
+    assert out == greedy
+    assert chains > 0  # drafts were pruned to their chains, and the chains were accepted

@@ -91,10 +91,11 @@ def test_the_measured_budget_drafts_less_deep_as_the_batch_fills_the_machine():
     # A CPU-like curve: 16 tokens cost 4.5 one-token steps, 64 tokens 16.
     curve = {1: 1.0, 2: 1.3, 4: 1.7, 8: 2.6, 16: 4.5, 32: 8.5, 64: 16.0, 128: 32.0}
     chain = DraftBudget(curve)
-    for i in range(210):  # chains of 6 drafts accepting 0, 0, 1, 1, 2, 3, 6 of them in turn (τ(6) = 2.86)
+    for i in range(2100):  # chains of 6 drafts accepting 0, 0, 1, 1, 2, 3, 6 of them in turn (τ(6) = 2.86); many
+        # cycles, so that the optimism of the plan (one standard error) no longer moves it
         chain.observe([1] * 6, [0, 0, 1, 1, 2, 3, 6][i % 7], 0.0)
     plan = chain.plan()
-    assert (plan[1], plan[2], plan[16]) == (2, 1, 0)
+    assert plan[1] in (2, 3) and (plan[2], plan[16]) == (1, 0)  # at one sequence 2 and 3 tie: 1.4280 vs 1.4277
     assert all(plan[b] >= plan[b + 1] for b in range(1, 16))
     accepted = DraftBudget(curve)
     for _ in range(210):
