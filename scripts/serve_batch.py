@@ -36,8 +36,8 @@ QUESTIONS = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / 
 class PooledBudget(DraftBudget):
     """The measured budget with every draft counted as one kind."""
 
-    def observe(self, nodes_per_depth, accepted, draft_seconds, cap=None, kind=""):
-        super().observe(nodes_per_depth, accepted, draft_seconds, cap)
+    def observe(self, nodes_per_depth, accepted, draft_seconds, cap=None, kind="", **cycle):
+        super().observe(nodes_per_depth, accepted, draft_seconds, cap, **cycle)
 
 
 async def serve(engine: BatchedEngine, prompts: list[list[int]], max_tokens: int) -> tuple[int, float]:
@@ -94,10 +94,9 @@ def main() -> None:
             print(f"round {round_ + 1} {config}: {tokens} tokens in {seconds:.1f} s, {tokens / seconds:.1f} tokens/s",
                   flush=True)
             if budget.table is None and budget.deepest:
-                per_level = budget.draft_seconds / max(1, budget.draft_levels)
-                print(f"    depth caps at {args.batch}: all drafts {budget.best_depth(args.batch)}, "
-                      + ", ".join(f"{kind} {budget.best_depth(args.batch, kind)}" for kind in sorted(budget.kinds))
-                      + f" (None: uncapped; drafting {per_level * 1e3:.2f} ms a level)", flush=True)
+                print(f"    caps at {args.batch} (depth, main chain only): all drafts {budget.best_cap(args.batch)}, "
+                      + ", ".join(f"{kind} {budget.best_cap(args.batch, kind)}" for kind in sorted(budget.kinds))
+                      + f" (None: uncapped; drafting {budget.draft_cost(1) * 1e3:.2f} ms at depth 1)", flush=True)
     base = rates.get("vanilla")
     for config, values in rates.items():
         ratios = "" if base is None else " ".join(f"{v / b:.2f}x" for v, b in zip(values, base, strict=True))

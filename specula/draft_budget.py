@@ -20,7 +20,11 @@ sequence at a time: sixteen uncapped trees at once would double that cycle's cos
 drafts do not pay on this machine thus falls back towards plain decoding, at any batch size. Drafts of
 different kinds (`DraftTree.kind`: the suffix drafter's source and match length) are accepted at different
 rates, so each kind also gets its own τ, n and depth, starting from the pooled ones: at four sequences a long
-match in the conversation still pays three levels while a one-token match in the answer corpus pays none. A
+match in the conversation still pays three levels while a one-token match in the answer corpus pays none. Each kind
+is planned in two shapes, the whole tree and its main chain alone (the first child at each level,
+`DraftTree.main_chain`, measured on every draft since the acceptor judges a first child the same with siblings or
+without): where the siblings are seldom the ones accepted, a narrower verify wins. The plan takes each conditional
+rate one standard error up, so that a depth given up on few cycles is drafted again until its estimate is sure. A
 fixed table (``--draft-budget 1:8,4:2,8:0``) replaces all of this.
 
 One generation at a time (`specula.generate`, `specula generate`, `specula bench`) is the same plan at batch size
@@ -38,8 +42,11 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from specula.errors import SpeculaError
 from specula.files.outputs import atomic_write_json
+from specula.runtime.decode_threads import spare_cpus
 from specula.runtime.float32_layout import machine_key
 from specula.runtime.model_source import cache_dir
 from specula.runtime.verify_cost import measure_verify_curve, verify_cost
@@ -334,8 +341,11 @@ def measured_curve(target, max_batch: int, repeats: int = 2) -> dict[int, float]
 
 
 def curve_key(target) -> str:
-    """What a verify-cost curve depends on: the machine (CPU, vector ISA, torch, threads), device, target and format."""
-    return f"{machine_key()} | {target.device} | {target.name} | {target.weights} | {target.dtype}"
+    """What a verify-cost curve depends on: the machine (CPU, vector ISA, torch, threads), whether decode steps choose
+    their thread count (`specula.runtime.decode_threads`: torch's setting says 1 either way, but a step may then run
+    on 2), device, target and format."""
+    chooser = " | decode threads chosen" if spare_cpus(torch.device(target.device)) is not None else ""
+    return f"{machine_key()}{chooser} | {target.device} | {target.name} | {target.weights} | {target.dtype}"
 
 
 def cached_curve(target) -> dict[int, float]:

@@ -164,6 +164,12 @@ def test_the_verify_cost_curve_is_measured_once_and_kept(monkeypatch, tmp_path):
     target.weights = "int8"  # another format is another curve
     cached_curve(target)
     assert len(measured) == 3 and len(json.loads((tmp_path / CURVE_FILE).read_text())) == 2
+    # Decode steps that choose their own thread count (one or two) cost otherwise than steps held to torch's one
+    # thread, though torch's setting reads 1 in both: another curve.
+    chosen = draft_budget.spare_cpus(torch.device("cpu")) is not None  # as this process runs
+    monkeypatch.setattr(draft_budget, "spare_cpus", lambda device: None if chosen else 2)  # the other way
+    cached_curve(target)
+    assert len(measured) == 4 and len(json.loads((tmp_path / CURVE_FILE).read_text())) == 3
 
 
 def test_an_unknown_draft_budget_is_refused_before_loading():
