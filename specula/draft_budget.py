@@ -344,8 +344,9 @@ def curve_key(target) -> str:
     """What a verify-cost curve depends on: the machine (CPU, vector ISA, torch, threads), whether decode steps choose
     their thread count (`specula.runtime.decode_threads`: torch's setting says 1 either way, but a step may then run
     on 2), device, target and format."""
-    chooser = " | decode threads chosen" if spare_cpus(torch.device(target.device)) is not None else ""
-    return f"{machine_key()}{chooser} | {target.device} | {target.name} | {target.weights} | {target.dtype}"
+    spare = spare_cpus(torch.device(target.device))
+    steps = "decode steps on torch's threads" if spare is None else f"decode steps on 1-{spare} threads as timed"
+    return f"{machine_key()} | {steps} | {target.device} | {target.name} | {target.weights} | {target.dtype}"
 
 
 def cached_curve(target) -> dict[int, float]:
