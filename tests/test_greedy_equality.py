@@ -52,7 +52,9 @@ def test_compiled_target_decodes_what_transformers_generate_decodes(reference_ou
 
 
 def test_stream_yields_the_same_tokens_as_generate():
-    speculator = specula.load(STORIES, method="sps", draft=LLAMA2XS, dtype="float32")
+    # Drafts verified whole: with the budget (on by default) the second call plans from what the first taught it, so
+    # the two may take different cycles to the same tokens.
+    speculator = specula.load(STORIES, method="sps", draft=LLAMA2XS, dtype="float32", draft_budget="off")
     whole = speculator.generate(STORY_PROMPTS[0], max_new_tokens=40)
     chunks = list(speculator.stream(STORY_PROMPTS[0], max_new_tokens=40))
     assert [t for c in chunks for t in c.token_ids] == whole.token_ids
