@@ -132,19 +132,25 @@ class GreedyOracle:
         return self
 
 
-def test_a_draft_accepted_whole_at_its_cap_is_followed_by_one_a_level_deeper():
+def oracle_sequence(oracle: type[GreedyOracle], budget: DraftBudget) -> tuple[Target, Sequence, list[int], list[int]]:
+    """(target, a greedy generation drafted by ``oracle`` under ``budget`` with its prompt run, the greedy
+    continuation, the tokens so far)."""
     speculator = specula.load(STORIES, method="vanilla", dtype="float32", profile=False)
     prompt = speculator.encode(STORY_PROMPTS[0], raw=True)
     greedy, _ = generate_tokens(speculator.target, speculator.drafter, prompt, NEW_TOKENS, SamplingParams(),
                                 stop_on_eos=False)
-    sequence = Sequence(speculator.target, GreedyOracle(greedy, len(prompt)), prompt, NEW_TOKENS, SamplingParams(),
-                        stop_on_eos=False, budget=DraftBudget(table={1: 1}))
-    out = sequence.advance(sequence.block().run(speculator.target))
+    sequence = Sequence(speculator.target, oracle(greedy, len(prompt)), prompt, NEW_TOKENS, SamplingParams(),
+                        stop_on_eos=False, budget=budget)
+    return speculator.target, sequence, greedy, sequence.advance(sequence.block().run(speculator.target))
+
+
+def test_a_draft_accepted_whole_at_its_cap_is_followed_by_one_a_level_deeper():
+    target, sequence, greedy, out = oracle_sequence(GreedyOracle, DraftBudget(table={1: 1}))
     drafted = []
     while not sequence.done:
         block = sequence.block()
         drafted.append(len(block.tokens) - 1)
-        out += sequence.advance(block.run(speculator.target))
+        out += sequence.advance(block.run(target))
     assert out == greedy
     assert drafted[:4] == [1, 2, 3, 4]  # the table says 1; each whole acceptance allows one level more
 
@@ -246,17 +252,11 @@ class SiblingOracle(GreedyOracle):
 
 
 def test_a_draft_pruned_to_its_main_chain_decodes_the_greedy_text():
-    speculator = specula.load(STORIES, method="vanilla", dtype="float32", profile=False)
-    prompt = speculator.encode(STORY_PROMPTS[0], raw=True)
-    greedy, _ = generate_tokens(speculator.target, speculator.drafter, prompt, NEW_TOKENS, SamplingParams(),
-                                stop_on_eos=False)
-    sequence = Sequence(speculator.target, SiblingOracle(greedy, len(prompt)), prompt, NEW_TOKENS, SamplingParams(),
-                        stop_on_eos=False, budget=primed_to_prune_siblings(STEEP))
-    out = sequence.advance(sequence.block().run(speculator.target))
+    target, sequence, greedy, out = oracle_sequence(SiblingOracle, primed_to_prune_siblings(STEEP))
     chains = 0
     while not sequence.done:
         block = sequence.block()
         chains += sequence.draft_chain_only and sequence.nodes_per_depth == [1] * (len(block.tokens) - 1)
-        out += sequence.advance(block.run(speculator.target))
+        out += sequence.advance(block.run(target))
     assert out == greedy
     assert chains > 0  # drafts were pruned to their chains, and the chains were accepted
