@@ -335,7 +335,9 @@ def measured_curve(target, max_batch: int, repeats: int = 2) -> dict[int, float]
     while n <= min(16 * max_batch, 256):
         sizes.append(n)
         n *= 2
-    prefix = [i % max(2, target.vocab_size) for i in range(64)]
+    # A 64-token prefix where the context allows it and all the sizes still fit after it (a 40-token context limit
+    # had every measurement fail, and with it the first generation).
+    prefix = [i % max(2, target.vocab_size) for i in range(max(1, min(64, target.max_length - sizes[-1])))]
     # On a fork: packed batches run eager, and a compiled target would compile every size measured here.
     return measure_verify_curve(target.fork(), prefix, sizes, repeats=repeats)
 

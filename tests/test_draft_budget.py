@@ -260,3 +260,11 @@ def test_a_draft_pruned_to_its_main_chain_decodes_the_greedy_text():
         out += sequence.advance(block.run(target))
     assert out == greedy
     assert chains > 0  # drafts were pruned to their chains, and the chains were accepted
+
+
+def test_the_curve_is_measured_within_a_short_context_limit(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECULA_CACHE_DIR", str(tmp_path))  # nothing cached: measured now
+    speculator = specula.load(STORIES, method="suffix", dtype="float32", profile=False, max_length=40)
+    assert sorted(cached_curve(speculator.target)) == [1, 2, 4, 8, 16]
+    result = speculator.generate(STORY_PROMPTS[0], max_new_tokens=100, stop_on_eos=False)
+    assert result.stats.stop_reason == "context_length"
