@@ -121,6 +121,7 @@ class Sequence:
         self.draft_chain_only = False  # whether it was pruned to its main chain too
         self._drafted: list[int] = []  # nodes per depth of the draft being verified, for the budget
         self._draft_seconds = 0.0  # the time its proposal took, for the budget
+        self._alone = True  # whether the draft being verified runs alone in its forward (its seconds are its own)
         self._probe: int | None = None  # one level past the last cap, when the last draft was accepted whole at it
         self._started = self._proposed = 0.0
 
@@ -168,6 +169,7 @@ class Sequence:
         if self.budget is not None and max_depth is None and kind_depth is None:
             caps, probe = self.budget.caps(batch), self._probe
         max_depth = caps.deepest if probe is None or caps.deepest is None else max(caps.deepest, probe)
+        self._alone = batch == 1
         depth = min(self.max_new_tokens - stats.new_tokens - 1, target.max_length - len(self.context) - 1)
         tree = self.drafter.propose(self.context, depth if max_depth is None else min(depth, max_depth),
                                     self.params, self.generator)
@@ -203,14 +205,16 @@ class Sequence:
             result = self.acceptor(tree, out.logits, self.params, self.generator)
             target.commit(result.accepted_nodes)
             self.drafter.observe(tree.tokens[result.accepted_nodes], out.select(result.accepted_nodes))
-            stats.verify_time += time.perf_counter() - self._proposed
+            verify_seconds = time.perf_counter() - self._proposed
+            stats.verify_time += verify_seconds
             if self.budget is not None:
                 chain, path = tree.main_chain(), result.accepted_nodes[1:]
                 on_chain = 0  # the main chain's nodes accepted: how far the accepted path follows it
                 while on_chain < min(len(chain), len(path)) and path[on_chain] == chain[on_chain]:
                     on_chain += 1
                 self.budget.observe(self._drafted, result.accepted_drafts, self._draft_seconds, self.draft_cap,
-                                    tree.kind, (len(chain), on_chain), self.draft_chain_only)
+                                    tree.kind, (len(chain), on_chain), self.draft_chain_only,
+                                    verify_seconds if self._alone else None)
                 cap = self.draft_cap
                 self._probe = cap + 1 if cap and result.accepted_drafts >= cap else None
             new = tree.tokens[result.accepted_nodes[1:]].tolist() + [result.next_token]

@@ -46,6 +46,7 @@ import torch
 
 from specula.errors import SpeculaError
 from specula.files.outputs import atomic_write_json
+from specula.runtime.cycle_cost import DraftCost, VerifyCost
 from specula.runtime.decode_threads import spare_cpus
 from specula.runtime.float32_layout import machine_key
 from specula.runtime.model_source import cache_dir
@@ -187,38 +188,6 @@ class _KindAcceptance:
         return [(self.tree, False)]
 
 
-class DraftCost:
-    """Drafting seconds of a cycle against its draft's depth, fitted as c(d) = fixed + d · per_level by least
-    squares over the drafts served (both parts at least 0).
-
-    A head drafts one forward per level, but a suffix or prompt lookup pays mostly per cycle: served at one
-    client, the bundled suffix drafter's cycles took ~0.3 ms a level when priced per level alone, which made an
-    8-deep draft look 2.6 ms dear and capped one client at depth 4 (96.6 tokens/s on 12 MT-bench first turns, in
-    process) where the fit gives 106.8. Drafts all of one depth cannot tell the parts apart: then the mean
-    seconds per level prices every level, as before."""
-
-    def __init__(self):
-        self.n = self.depth = self.seconds = self.depth2 = self.depth_seconds = 0.0
-
-    def observe(self, depth: int, seconds: float) -> None:
-        self.n += 1
-        self.depth += depth
-        self.seconds += seconds
-        self.depth2 += depth * depth
-        self.depth_seconds += depth * seconds
-
-    def __call__(self, depth: int) -> float:
-        if depth == 0 or self.n == 0:
-            return 0.0
-        mean_depth, mean_seconds = self.depth / self.n, self.seconds / self.n
-        spread = self.depth2 / self.n - mean_depth ** 2
-        if spread < 1e-9:
-            return depth * mean_seconds / mean_depth
-        per_level = max(0.0, (self.depth_seconds / self.n - mean_depth * mean_seconds) / spread)
-        fixed = max(0.0, mean_seconds - per_level * mean_depth)
-        return fixed + depth * per_level
-
-
 class DraftBudget:
     """``caps(batch_size)`` → how deep one sequence may draft this cycle, asked per sequence; ``budget(batch_size)``
     is its ``deepest`` alone (None: as deep as the drafter likes).
@@ -232,7 +201,7 @@ class DraftBudget:
     """
 
     def __init__(self, curve: Mapping[int, float] | None = None, table: Mapping[int, int] | None = None,
-                 max_batch: int = DEFAULT_MAX_BATCH):
+                 max_batch: int = DEFAULT_MAX_BATCH, timed: bool = True):
         if curve is None and table is None:
             raise ValueError("a draft budget needs a verify-cost curve or a table")
         self.curve = dict(curve or {})
@@ -242,16 +211,20 @@ class DraftBudget:
         self.kinds: dict[str, _KindAcceptance] = {}
         self.deepest = 0  # the deepest draft seen: the drafter's own depth
         self.draft_cost = DraftCost()
+        # One sequence's cycles priced as timed (`VerifyCost`); None: by the curve alone, the same plan on any machine
+        self.verify_cost = VerifyCost(self.curve) if timed and curve else None
         self._plans: dict[int, DepthCaps] = {}
         self._observed = 0
         self._until_explore = EXPLORE_EVERY  # sequence-cycles before the next uncapped draft
 
     def observe(self, nodes_per_depth: Sequence[int], accepted: int, draft_seconds: float,
                 cap: int | None = None, kind: str = "", chain: tuple[int, int] | None = None,
-                chain_only: bool = False) -> None:
+                chain_only: bool = False, verify_seconds: float | None = None) -> None:
         """One verified cycle of one sequence: its draft's node count at depth 1, 2, …, the drafts accepted, the
         seconds spent drafting, the depth the budget allowed (None: uncapped), the draft's kind, its main chain's
-        (length, nodes accepted) (None: the draft is a chain, or unknown) and whether it was pruned to that chain.
+        (length, nodes accepted) (None: the draft is a chain, or unknown), whether it was pruned to that chain, and
+        the seconds from its proposal to its commit where the sequence was verified alone (None: packed with others,
+        where the forward's time is not its own).
 
         Every depth the cap allowed counts, drafted or not: a drafter that drafts deep only when it is sure
         (prompt lookup finding a match, Ada predicting a long run) must not look surer than it is."""
@@ -267,6 +240,8 @@ class DraftBudget:
             self.kinds[kind].observe(nodes_per_depth, accepted, allowed, chain, chain_only)
         if depth:
             self.draft_cost.observe(depth, draft_seconds)
+        if verify_seconds is not None and self.verify_cost is not None:
+            self.verify_cost.observe(1 + sum(nodes_per_depth), verify_seconds)
         self._observed += 1
         if self._observed % REPLAN_EVERY == 0:
             self._plans.clear()
@@ -306,11 +281,14 @@ class DraftBudget:
     def best_cap(self, batch: int, kind: str = "") -> tuple[int | None, bool]:
         """(depth, main chain only) with the most expected tokens per second for ``batch`` sequences drafting like
         drafts of ``kind`` ("": all drafts; depth None: uncapped), each conditional acceptance rate taken one
-        standard error up (`_Acceptance.rates`)."""
+        standard error up (`_Acceptance.rates`). One sequence's verify is priced as timed where timings exist
+        (`VerifyCost`), a packed batch's by the curve."""
         stats = self.kinds.get(kind, self.pooled)
+        timed = self.verify_cost if batch == 1 and self.verify_cost is not None else None
 
         def rate(acceptance: _Acceptance, d: int) -> float:
-            verify = verify_cost(self.curve, round(batch * (1 + acceptance.draft_nodes(d))))
+            tokens = round(batch * (1 + acceptance.draft_nodes(d)))
+            verify = timed(tokens) if timed is not None else verify_cost(self.curve, tokens)
             return batch * acceptance.tau(d, optimistic=True) / (verify + batch * self.draft_cost(d))
 
         options = [(rate(acceptance, d), -d, not chain, d, chain)

@@ -27,6 +27,7 @@ from specula.decoding import Sequence, generate_tokens
 from specula.draft_budget import CURVE_FILE, DraftBudget, cached_curve
 from specula.drafters.suffix import SuffixDrafter
 from specula.errors import SpeculaError
+from specula.runtime.cycle_cost import VerifyCost
 from specula.runtime.forward import FeatureRequest
 from specula.runtime.target import Target
 from specula.sampling import SamplingParams
@@ -59,7 +60,8 @@ def test_sampling_under_an_adaptive_budget_keeps_the_target_distribution():
     exact = exact_sequence_distribution(target, prompt, E2E_PARAMS, 4)
     flat = {1: 1.0, 2: 1.0, 4: 1.0, 8: 1.2, 16: 2.0}  # verifying up to 4 tokens costs one step
     for acceptor, lossless in ((None, True), (accept_bonus_from_unmodified_p, False)):
-        budget, counts, sizes = DraftBudget(flat, max_batch=1), Counter(), Counter()
+        # priced by the curve alone (timed=False): the plan, and so the test's power, must not depend on this machine
+        budget, counts, sizes = DraftBudget(flat, max_batch=1, timed=False), Counter(), Counter()
         for seed in range(N_E2E):
             tokens, stats = generate_tokens(target, SuffixDrafter(max_match=8), prompt, 4, E2E_PARAMS, seed=seed,
                                             stop_on_eos=False, acceptor=acceptor, budget=budget)
@@ -208,8 +210,9 @@ def test_measuring_the_curve_leaves_the_loaded_targets_cache_as_it_was(monkeypat
 
 
 def primed_to_prune_siblings(curve: dict[int, float]) -> DraftBudget:
-    """A budget that saw 200 trees of two nodes a level whose accepted path always ran down the main chain."""
-    budget = DraftBudget(curve, max_batch=1)
+    """A budget that saw 200 trees of two nodes a level whose accepted path always ran down the main chain (priced by
+    the curve alone: what this machine's cycles cost must not change the plan a test reads)."""
+    budget = DraftBudget(curve, max_batch=1, timed=False)
     for i in range(200):
         accepted = [0, 1, 2, 4][i % 4]
         budget.observe([2] * 4, accepted, 0.0, chain=(4, accepted))
@@ -268,3 +271,47 @@ def test_the_curve_is_measured_within_a_short_context_limit(monkeypatch, tmp_pat
     assert sorted(cached_curve(speculator.target)) == [1, 2, 4, 8, 16]
     result = speculator.generate(STORY_PROMPTS[0], max_new_tokens=100, stop_on_eos=False)
     assert result.stats.stop_reason == "context_length"
+
+
+def test_verify_seconds_are_fitted_as_the_curve_scaled_plus_what_a_draft_adds():
+    """v(k) = s · curve(k) + fixed + per_node · (k - 1) for a drafted block, s · curve(1) for a plain one."""
+    cost = VerifyCost(CURVE)
+    assert cost(4) == CURVE[4] and cost.scale == 1.0  # nothing timed yet: the curve
+    for tokens in (1, 2, 5, 9, 1, 3):
+        for _ in range(20):
+            cost.observe(tokens, 1.5 * cost.curve[1] if tokens == 1 else
+                         1.5 * VerifyCost(CURVE)(tokens) + 0.3 + 0.05 * (tokens - 1))
+    assert abs(cost.scale - 1.5) < 1e-9
+    assert abs(cost(1) - 1.5) < 1e-9
+    for tokens in (2, 6, 16):
+        assert abs(cost(tokens) - (1.5 * VerifyCost(CURVE)(tokens) + 0.3 + 0.05 * (tokens - 1))) < 1e-9
+
+
+def test_a_draft_whose_cycles_cost_more_than_the_curve_says_is_not_drafted_alone():
+    """One node accepted 20 % of the time pays on a curve where a second token costs 2 % more (1.2 / 1.02 tokens a
+    step), not where a cycle with a draft is timed 0.4 steps dearer than a plain one: the cost of having a draft at
+    all (mask, a second logits row, the acceptor) that bare forwards do not show. Packed with others, where a cycle's
+    seconds are not its own, the plan stays the curve's."""
+    curve = {1: 1.0, 2: 1.02, 4: 1.1, 8: 1.5, 16: 2.5, 32: 4.5}
+    plans = {}
+    for timed in (True, False):
+        budget = DraftBudget(curve, max_batch=4, timed=timed)
+        for i in range(400):
+            budget.observe([1], int(i % 5 == 0), 0.0, cap=1, verify_seconds=1.5 * 1.02 + 0.4)
+            budget.observe([], 0, 0.0, verify_seconds=1.5)
+        plans[timed] = budget.plan()
+    assert plans[False][1] != 0 and plans[True][1] == 0
+    assert plans[True][2] == plans[False][2]
+
+
+def test_a_sequence_times_its_verify_only_when_it_runs_alone():
+    speculator = specula.load(STORIES, method="suffix", dtype="float32", profile=False)
+    budget = DraftBudget(CURVE, max_batch=2)
+    prompt = speculator.encode(STORY_PROMPTS[0], raw=True)
+    generate_tokens(speculator.target, speculator.drafter, prompt, NEW_TOKENS, SamplingParams(), budget=budget)
+    timed = (budget.verify_cost.plain_n, budget.verify_cost.n)
+    assert sum(timed) > 0 and budget.verify_cost.scale > 0
+    sequence = Sequence(speculator.target, speculator.drafter, prompt, NEW_TOKENS, SamplingParams(), budget=budget)
+    for _ in range(8):  # as a batch of two would call it: the forward's seconds are shared, not this sequence's
+        sequence.advance(sequence.block(batch=2).run(speculator.target))
+    assert (budget.verify_cost.plain_n, budget.verify_cost.n) == timed  # nothing timed
