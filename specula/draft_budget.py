@@ -8,8 +8,10 @@ maximises expected tokens per second for the batch:
 
     B · τ(d) / (v(B·(1 + n(d))) + B · c(d))
 
-with v the measured verify-cost curve (`specula calibrate`'s, or measured when the server starts), c(d) the
-drafting seconds of a depth-d draft (`DraftCost`: a fixed part and a part per level, fitted to the drafts served),
+with v the measured verify-cost curve (`specula calibrate`'s, or measured when the server starts) — for one sequence
+alone, that curve scaled and topped up to what its cycles are timed at (`VerifyCost`: a drafted cycle costs more
+than its bare forward) — c(d) the drafting seconds of a depth-d draft (`DraftCost`: a fixed part and a part per
+level, fitted to the drafts served),
 n(d) the mean nodes a draft holds down to depth d, and
 τ(d) = 1 + Σ_{i≤d} P(a cycle accepts ≥ i drafts), all measured on the traffic served (P(accepted ≥ i) as the
 product of the conditional rates P(depth j accepted | depth j - 1 accepted), j ≤ i, each over the cycles that tested
