@@ -12,7 +12,8 @@ import pytest
 import torch
 from conftest import LLAMA2XS, STORIES
 
-from specula.kernels import attention, q4_1
+from specula.kernels import attention, float32, q4_1
+from specula.runtime import native_decoder
 from specula.runtime.forward import FeatureRequest
 from specula.runtime.invariance import tree_block
 from specula.runtime.packed import Block, forward_packed
@@ -25,11 +26,11 @@ pytestmark = pytest.mark.skipif(q4_1.unavailable_reason() is not None or attenti
 TREE_PARENTS = [-1, 0, 0, 0, 1, 1, 2, 4, 3]
 
 
-def load_pair(path, monkeypatch) -> tuple[Target, Target]:
-    native = Target.load(path, dtype="float32", weights="q4_1")
+def load_pair(path, monkeypatch, weights: str = "q4_1") -> tuple[Target, Target]:
+    native = Target.load(path, dtype="float32", weights=weights)
     with monkeypatch.context() as patch:
         patch.setenv("SPECULA_NATIVE_DECODER", "0")
-        python = Target.load(path, dtype="float32", weights="q4_1")
+        python = Target.load(path, dtype="float32", weights=weights)
         assert python.runtime.native() is None
     assert native.runtime.native() is not None
     return native, python
@@ -68,6 +69,16 @@ def test_llama2xs_in_q4_1_gives_the_python_layers_bits(monkeypatch):
     assert_same_forwards(native, python, capture=(0, 2, 4))
 
 
+@pytest.mark.skipif(float32.kernel() is None, reason="the row-invariant float32 kernel is needed")
+@pytest.mark.parametrize("path", [STORIES, LLAMA2XS], ids=["stories260k", "llama2xs"])
+def test_a_float32_target_gives_the_python_layers_bits(path, monkeypatch):
+    """Float32 linears through the row-invariant float32 kernel, as `Float32Linear` calls it (stories260k's 172-wide
+    MLP included: unlike q4_1's, a float32 linear pads nothing)."""
+    native, python = load_pair(path, monkeypatch, weights="float32")
+    assert_same_forwards(native, python, capture=(0, 2, 4))
+    assert_same_packed_steps(native, python)
+
+
 def test_the_default_model_in_q4_1_gives_the_python_layers_bits(smollm2, monkeypatch):
     from specula.methods import DEFAULT_TARGET
 
@@ -75,7 +86,9 @@ def test_the_default_model_in_q4_1_gives_the_python_layers_bits(smollm2, monkeyp
     assert_same_forwards(native, python, capture=(1, 15, 28))  # the layers the bundled EAGLE-3 head reads
 
 
-def test_formats_and_layers_it_cannot_reproduce_run_from_python():
+def test_formats_and_layers_it_cannot_reproduce_run_from_python(monkeypatch):
+    assert Target.load(LLAMA2XS, dtype="float32", weights="int8").runtime.native() is None
+    monkeypatch.setattr(native_decoder, "float32_kernel", lambda: None)  # float32 linears through the BLAS
     assert Target.load(LLAMA2XS, dtype="float32", weights="float32").runtime.native() is None
     # stories260k's MLP is 172 wide: its q4_1 down projection pads its inputs, which the stack does not.
     assert Target.load(STORIES, dtype="float32", weights="q4_1").runtime.native() is None
@@ -107,7 +120,10 @@ def test_a_packed_step_gives_the_python_layers_bits(model, request, monkeypatch)
         path = DEFAULT_TARGET
     else:
         path = LLAMA2XS
-    native, python = load_pair(path, monkeypatch)
+    assert_same_packed_steps(*load_pair(path, monkeypatch))
+
+
+def assert_same_packed_steps(native: Target, python: Target) -> None:
     (a, forks_a), (b, forks_b) = packed_outputs(native, 3), packed_outputs(python, 3)
     for out_a, out_b, fork_a, fork_b in zip(a, b, forks_a, forks_b, strict=True):
         assert torch.equal(out_a.logits, out_b.logits) and torch.equal(out_a.hidden, out_b.hidden)

@@ -1,6 +1,7 @@
 // A Llama-style decoder stack over a small block, run from C++ in one call. Loaded by specula/kernels/decoder.py.
 //
-// torch.classes.specula.DecoderStack(weights, sizes, epsilons): every layer's norms and q4_1 linears, held once.
+// torch.classes.specula.DecoderStack(weights, sizes, epsilons): every layer's norms and linears (q4_1, or float32
+// through the row-invariant float32 kernel), held once.
 // stack.run(x [1, n, H], cos, sin [1, n, d], keys, values (per layer [1, Hkv, A, d]), length, mask, capture)
 //   -> [x after the last layer, then the input of each layer in ``capture``];
 // stack.run_packed(...): the same for several sequences' blocks packed in one x, each over its own cache.
@@ -52,13 +53,24 @@ const c10::TypedOperatorHandle<AttentionOp>& cached_attention() {
   return op;
 }
 
-struct Q4_1Weight {
+using Float32LinearOp = at::Tensor(const at::Tensor&, const at::Tensor&);
+
+const c10::TypedOperatorHandle<Float32LinearOp>& float32_linear() {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("specula::float32_linear", "").typed<Float32LinearOp>();
+  return op;
+}
+
+// A q4_1 linear (packed blocks and their scales) or a float32 one (packed is the float32 weight [N, K], scales empty).
+struct LinearWeight {
   at::Tensor packed, scales;
   int64_t outputs;
 };
 
-// Q4_1Linear.forward of the rows of x [n, K] (contiguous) → [n, N].
-at::Tensor linear(const at::Tensor& x, const Q4_1Weight& w) {
+// Q4_1Linear.forward, or Float32Linear.forward through the row-invariant float32 kernel, of the rows of x [n, K]
+// (contiguous) → [n, N].
+at::Tensor linear(const at::Tensor& x, const LinearWeight& w) {
+  if (w.packed.scalar_type() == at::kFloat) return float32_linear().call(x, w.packed);
   return q4_1_linear().call(x, w.packed, w.scales, w.outputs);
 }
 
@@ -132,11 +144,12 @@ at::Tensor residual(const at::Tensor& a, const at::Tensor& b) {
 struct DecoderStack : torch::CustomClassHolder {
   std::vector<at::Tensor> input_norms, post_norms;
   std::vector<double> input_eps, post_eps;
-  std::vector<Q4_1Weight> qkv, out, gate_up, down;
+  std::vector<LinearWeight> qkv, out, gate_up, down;
   int64_t q_size, kv_size, head_dim, silu_step, silu_grain;
   double scale;
 
-  // weights: per layer [input norm, post norm, then packed and scales of qkv, o, gate_up, down] (10 tensors);
+  // weights: per layer [input norm, post norm, then packed and scales of qkv, o, gate_up, down (a float32 linear:
+  // its weight and an empty tensor)] (10 tensors);
   // sizes: [q_size, kv_size, head_dim, silu_step, silu_grain, then per layer the outputs of qkv, o, gate_up,
   // down]; epsilons: [scale, then per layer input eps, post eps].
   DecoderStack(std::vector<at::Tensor> weights, std::vector<int64_t> sizes, std::vector<double> epsilons) {

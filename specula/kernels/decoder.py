@@ -1,6 +1,8 @@
-"""The native decoder stack: a Llama-style stack of q4_1 layers over a small block in one C++ call (``decoder.cpp``).
+"""The native decoder stack: a Llama-style stack of q4_1 or float32 layers over a small block in one C++ call
+(``decoder.cpp``).
 
-``torch.classes.specula.DecoderStack`` runs each layer as the same ATen calls and the same q4_1 and
+``torch.classes.specula.DecoderStack`` runs each layer as the same ATen calls and the same q4_1 (or row-invariant
+float32, `specula.kernels.float32`, looked up when a float32 stack first runs: the caller has loaded it) and
 cached-attention ops that `specula.runtime.static_cache.decoder_layer_step` makes from Python, in the same order
 on the same tensors, so its outputs are that path's bit for bit; what it removes is Python's cost around each of
 them (`specula.runtime.native_decoder` says when a target can use it). Built once per machine like the other

@@ -2,10 +2,11 @@
 
 An eager step of SmolLM2 in q4_1 spends about half its time in Python around ~60 small torch calls a layer
 (one thread, AMD EPYC: 16.8 ms a one-token step, 7.8 ms of it in the q4_1 matmuls). The native stack computes the
-same arithmetic from C++ in one call per block: the same q4_1, attention, mean and SiLU ops, the rest as plain loops
-(`decoder.cpp` says which). It takes a block only where the Python path
+same arithmetic from C++ in one call per block: the same q4_1 (or float32), attention, mean and SiLU ops, the rest
+as plain loops (`decoder.cpp` says which). It takes a block only where the Python path
 (`specula.runtime.static_cache.decoder_layer_step`) would compute exactly that: float32 states on a CPU, every
-linear a bias-free `Q4_1Linear` stacked as q/k/v and gate/up, RMS norms and SiLU as in `transformers`' Llama, the
+linear a bias-free `Q4_1Linear`, or a bias-free `Float32Linear` multiplied by the row-invariant float32 kernel
+(`specula.kernels.float32`), stacked as q/k/v and gate/up, RMS norms and SiLU as in `transformers`' Llama, the
 Llama rotary function, no sliding window or per-head norm, and a block the cached-attention kernel attends (at
 most `KERNEL_ROWS` rows, not a prompt from an empty cache). Anything else runs from Python as before.
 
@@ -24,7 +25,8 @@ import torch
 
 from specula.errors import SpeculaError
 from specula.kernels import attention, decoder
-from specula.runtime.quantized_linear import Q4_1Linear
+from specula.kernels.float32 import kernel as float32_kernel
+from specula.runtime.quantized_linear import Float32Linear, Q4_1Linear
 from specula.runtime.static_cache import (
     ELEMENTWISE_GRAIN,
     KERNEL_ROWS,
@@ -73,7 +75,9 @@ class NativeDecoder:
             shapes.add((*projections.qkv_sizes[:2], attn.head_dim, attn.scaling))
             weights += [norms[0].weight.detach().contiguous(), norms[1].weight.detach().contiguous()]
             for linear in linears:
-                weights += [linear.packed, linear.scales]
+                # a float32 linear: its weight, and no scales (the stack tells the two kinds apart by dtype)
+                weights += [linear.packed, linear.scales] if type(linear) is Q4_1Linear else [linear.weight.detach(),
+                                                                                               _NO_SCALES]
             sizes += [linear.out_features for linear in linears]
             floats += [float(norms[0].variance_epsilon), float(norms[1].variance_epsilon)]
         if len(shapes) != 1:
@@ -132,6 +136,14 @@ class NativeDecoder:
         return outputs[0], dict(zip(wanted, outputs[1:], strict=True))
 
 
+_NO_SCALES = torch.empty(0)
+
+
 def _native_linear(linear) -> bool:
-    return (type(linear) is Q4_1Linear and linear.bias is None and linear.padded_in == linear.in_features
-            and linear.scales.dtype in (torch.float16, torch.float32))
+    """Whether the stack multiplies by ``linear`` as its forward does: a bias-free `Q4_1Linear` without padded
+    inputs, or a bias-free `Float32Linear` whose forward calls the row-invariant float32 kernel."""
+    if type(linear) is Q4_1Linear:
+        return (linear.bias is None and linear.padded_in == linear.in_features
+                and linear.scales.dtype in (torch.float16, torch.float32))
+    return (type(linear) is Float32Linear and linear.bias is None and linear.weight.dtype == torch.float32
+            and linear.weight.is_contiguous() and float32_kernel() is not None)
