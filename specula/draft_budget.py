@@ -268,6 +268,9 @@ class DraftBudget:
         if self._until_explore <= 0:
             self._until_explore = EXPLORE_EVERY * batch + 1
             return DepthCaps(None)
+        timed = self.verify_cost
+        if batch == 1 and timed is not None and timed.plain_n == 0 and timed.n >= LEARN_CYCLES:
+            return DepthCaps(0)  # one plain cycle, timed, to price the drafted ones against (`VerifyCost`)
         if batch not in self._plans:
             caps = {kind: self.best_cap(batch, kind) for kind in self.kinds}
             for kind, (depth, chain) in caps.items():

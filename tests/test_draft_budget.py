@@ -304,6 +304,20 @@ def test_a_draft_whose_cycles_cost_more_than_the_curve_says_is_not_drafted_alone
     assert plans[True][2] == plans[False][2]
 
 
+def test_a_budget_that_timed_only_drafted_cycles_asks_for_a_plain_one():
+    """A drafted cycle's seconds split into the curve scaled to the served context and what the draft adds only
+    against a plain cycle's: until one is timed the plan is the curve's, and after a few drafted cycles the budget
+    asks for a plain one (a drafter that always drafts would otherwise never show what its drafts cost)."""
+    budget = DraftBudget(CURVE, max_batch=1)
+    for _ in range(12):
+        budget.observe([1] * 4, 4, 0.0, verify_seconds=3.0)
+    assert budget.verify_cost(5) == budget.verify_cost.curve[4] + (budget.verify_cost.curve[8] - CURVE[4]) / 4
+    assert budget.caps(1).deepest == 0
+    budget.observe([], 0, 0.0, verify_seconds=1.2)
+    assert budget.caps(1).deepest != 0
+    assert abs(budget.verify_cost(1) - 1.2) < 1e-9 and budget.verify_cost(5) > 1.2 * CURVE[4]
+
+
 def test_a_sequence_times_its_verify_only_when_it_runs_alone():
     speculator = specula.load(STORIES, method="suffix", dtype="float32", profile=False)
     budget = DraftBudget(CURVE, max_batch=2)

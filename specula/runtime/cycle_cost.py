@@ -70,9 +70,9 @@ class VerifyCost:
 
     s, the plain cycles' timed seconds over the curve's one-token forward, carries the curve's shape to the served
     context; the draft cycles' seconds beyond s · curve(k) are what having a draft costs, fitted as a fixed part and a
-    part per draft node. Both are weighted towards recent cycles (`TIMED_WINDOW`). Before any plain cycle s is 1
-    (the curve prices a plain step, the timings a drafted one, so the plan tries a plain step and learns s); before
-    any drafted cycle the extra is 0; before either, this is the curve."""
+    part per draft node. Both are weighted towards recent cycles (`TIMED_WINDOW`). Until a plain cycle is timed this
+    is the curve alone (drafted cycles' seconds cannot be split into s and the extra without one: `DraftBudget` asks
+    for a plain cycle once it has timed a few drafted ones); before any drafted cycle the extra is 0."""
 
     def __init__(self, curve: Mapping[int, float]):
         self.curve = dict(curve)
@@ -101,8 +101,9 @@ class VerifyCost:
         return self.plain_ratio / self.plain_n if self.plain_n else 1.0
 
     def extra(self, nodes: int) -> float:
-        """What a draft of ``nodes`` nodes adds to the cycle beyond s times the curve's forward (0 for no draft)."""
-        if nodes <= 0 or self.n == 0:
+        """What a draft of ``nodes`` nodes adds to the cycle beyond s times the curve's forward (0 for no draft, and
+        before any plain cycle)."""
+        if nodes <= 0 or self.n == 0 or self.plain_n == 0:
             return 0.0
         s = self.scale  # the extra is fitted to timed - s · curve(k), linear in s: from the sums, for today's s
         fixed, per_node, _ = _line(self.n, self.nodes, self.timed - s * self.bare, self.nodes2,
