@@ -26,6 +26,7 @@ from specula.cli import main
 from specula.decoding import Sequence, generate_tokens
 from specula.draft_budget import CURVE_FILE, DraftBudget, cached_curve
 from specula.drafters.suffix import SuffixDrafter
+from specula.drafters.vanilla import VanillaDrafter
 from specula.errors import SpeculaError
 from specula.runtime.cycle_cost import VerifyCost
 from specula.runtime.forward import FeatureRequest
@@ -329,3 +330,26 @@ def test_a_sequence_times_its_verify_only_when_it_runs_alone():
     for _ in range(8):  # as a batch of two would call it: the forward's seconds are shared, not this sequence's
         sequence.advance(sequence.block(batch=2).run(speculator.target))
     assert (budget.verify_cost.plain_n, budget.verify_cost.n) == timed  # nothing timed
+
+
+def test_sampling_with_drafts_pruned_to_their_main_chains_keeps_the_target_distribution():
+    """At T=1 a budget that keeps only each draft's main chain (its siblings never won) still draws every run from the
+    target's distribution, and the control with the textbook residual bug fails: pruning happens before the cycle's
+    coins, so the acceptor judges a chain as it would any draft."""
+    target = Target.load(STORIES, dtype="float32")
+    prompt = torch.tensor(target.tokenizer(PLD_PROMPT)["input_ids"], dtype=torch.long)
+    exact = exact_sequence_distribution(target, prompt, E2E_PARAMS, 4)
+    greedy, _ = generate_tokens(target, VanillaDrafter(), prompt, 4, SamplingParams(), stop_on_eos=False)
+    for acceptor, lossless in ((None, True), (accept_bonus_from_unmodified_p, False)):
+        budget, counts, chains = primed_to_prune_siblings(STEEP), Counter(), 0
+        for seed in range(N_E2E):
+            sequence = Sequence(target, SiblingOracle(greedy, len(prompt)), prompt, 4, E2E_PARAMS, seed=seed,
+                                stop_on_eos=False, acceptor=acceptor, budget=budget)
+            tokens = []
+            while not sequence.done:
+                block = sequence.block()
+                chains += sequence.draft_chain_only and len(block.tokens) > 1
+                tokens += sequence.advance(block.run(target))
+            counts[tuple(tokens)] += 1
+        assert chains > N_E2E // 2, chains  # most runs verified a draft pruned to its chain
+        assert (min(fit_pvalues(counts, exact, 4).values()) >= ALPHA) == lossless
