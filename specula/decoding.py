@@ -212,9 +212,9 @@ class Sequence:
                 on_chain = 0  # the main chain's nodes accepted: how far the accepted path follows it
                 while on_chain < min(len(chain), len(path)) and path[on_chain] == chain[on_chain]:
                     on_chain += 1
-                self.budget.observe(self._drafted, result.accepted_drafts, self._draft_seconds, self.draft_cap,
-                                    tree.kind, (len(chain), on_chain), self.draft_chain_only,
-                                    verify_seconds if self._alone else None)
+                self.budget.observe(self._drafted, result.accepted_drafts, self._draft_seconds, cap=self.draft_cap,
+                                    kind=tree.kind, chain=(len(chain), on_chain), chain_only=self.draft_chain_only,
+                                    verify_seconds=verify_seconds if self._alone else None)
                 cap = self.draft_cap
                 self._probe = cap + 1 if cap and result.accepted_drafts >= cap else None
             new = tree.tokens[result.accepted_nodes[1:]].tolist() + [result.next_token]
