@@ -289,7 +289,7 @@ class DraftBudget:
         standard error up (`_Acceptance.rates`). One sequence's verify is priced as timed where timings exist
         (`VerifyCost`), a packed batch's by the curve."""
         stats = self.kinds.get(kind, self.pooled)
-        timed = self.verify_cost if batch == 1 and self.verify_cost is not None else None
+        timed = self.verify_cost if batch == 1 else None
 
         def rate(acceptance: _Acceptance, d: int) -> float:
             tokens = round(batch * (1 + acceptance.draft_nodes(d)))

@@ -75,9 +75,7 @@ class NativeDecoder:
             shapes.add((*projections.qkv_sizes[:2], attn.head_dim, attn.scaling))
             weights += [norms[0].weight.detach().contiguous(), norms[1].weight.detach().contiguous()]
             for linear in linears:
-                # a float32 linear: its weight, and no scales (the stack tells the two kinds apart by dtype)
-                weights += [linear.packed, linear.scales] if type(linear) is Q4_1Linear else [linear.weight.detach(),
-                                                                                               _NO_SCALES]
+                weights += _stack_tensors(linear)
             sizes += [linear.out_features for linear in linears]
             floats += [float(norms[0].variance_epsilon), float(norms[1].variance_epsilon)]
         if len(shapes) != 1:
@@ -137,6 +135,14 @@ class NativeDecoder:
 
 
 _NO_SCALES = torch.empty(0)
+
+
+def _stack_tensors(linear) -> list[torch.Tensor]:
+    """What the stack holds of a linear it takes: a q4_1 one's packed blocks and scales, a float32 one's weight and no
+    scales (the stack tells the two apart by dtype)."""
+    if type(linear) is Q4_1Linear:
+        return [linear.packed, linear.scales]
+    return [linear.weight.detach(), _NO_SCALES]
 
 
 def _native_linear(linear) -> bool:
